@@ -1,0 +1,91 @@
+"""Blocking (SPEC §1): which Kronecker-factored blocks a parameter is cut into.
+
+A parameter is reshaped to its *merged shape* (size-1 dims dropped, adjacent small dims
+merged from the last dim to the first) and then split into blocks of at most
+``max_preconditioner_dim`` along every dim. Blocks are identified by ``(param, index)``
+with indices in row-major order; that identity does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+def merged_shape(shape: Sequence[int], max_preconditioner_dim: int) -> tuple[int, ...]:
+    """Drop size-1 dims, then merge adjacent dims from the last to the first while the
+    product stays ``<= max_preconditioner_dim``. A 0-d (or all-ones) shape becomes ``(1,)``.
+    """
+    dims = [int(d) for d in shape if d != 1]
+    if not dims:
+        return (1,)
+    merged = [dims[-1]]
+    for d in reversed(dims[:-1]):
+        if merged[0] * d <= max_preconditioner_dim:
+            merged[0] *= d
+        else:
+            merged.insert(0, d)
+    return tuple(merged)
+
+
+def _chunks(size: int, max_dim: int) -> list[tuple[int, int]]:
+    return [(start, min(start + max_dim, size)) for start in range(0, size, max_dim)]
+
+
+def block_slices(
+    shape: Sequence[int], max_preconditioner_dim: int
+) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
+    """The merged shape and, in row-major order, the slices of each block within it."""
+    merged = merged_shape(shape, max_preconditioner_dim)
+    per_dim = [_chunks(d, max_preconditioner_dim) for d in merged]
+    slices = [
+        tuple(slice(a, b) for a, b in combo) for combo in itertools.product(*per_dim)
+    ]
+    return merged, slices
+
+
+def block_shapes(shape: Sequence[int], max_preconditioner_dim: int) -> list[tuple[int, ...]]:
+    """Shapes of the blocks of a parameter of this shape, in row-major order."""
+    _, slices = block_slices(shape, max_preconditioner_dim)
+    return [tuple(s.stop - s.start for s in block) for block in slices]
+
+
+@dataclass(frozen=True)
+class ParamBlocking:
+    """How one parameter is blocked: merged shape and the slices of its blocks."""
+
+    shape: tuple[int, ...]
+    merged: tuple[int, ...]
+    slices: tuple[tuple[slice, ...], ...]
+
+    @classmethod
+    def of(cls, shape: Sequence[int], max_preconditioner_dim: int) -> ParamBlocking:
+        merged, slices = block_slices(shape, max_preconditioner_dim)
+        return cls(tuple(int(d) for d in shape), merged, tuple(slices))
+
+    @property
+    def block_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(s.stop - s.start for s in block) for block in self.slices]
+
+    def views(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``tensor`` (shaped like the parameter) for each block.
+
+        A single-block parameter gets the tensor reshaped (a view when possible). A
+        multi-block parameter needs a tensor whose merged reshape is a view; callers fall
+        back to ``assemble``/copies otherwise.
+        """
+        if len(self.slices) == 1:
+            return [tensor.reshape(self.merged)]
+        return [tensor.view(self.merged)[block] for block in self.slices]
+
+    def can_view(self, tensor: torch.Tensor) -> bool:
+        if len(self.slices) == 1:
+            return True
+        try:
+            tensor.view(self.merged)
+        except RuntimeError:
+            return False
+        return True

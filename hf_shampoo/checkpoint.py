@@ -1,0 +1,141 @@
+"""The optimizer's state layout on disk (SPEC §6).
+
+``state_dict()`` follows torch's structure: ``{"state": {param_index: {...}},
+"param_groups": [...]}``. A parameter's entry holds, for each of its blocks ``b`` that this
+rank owns, ``"block_{b}.{name}"`` tensors (names as in ``stack.py``). Block identities
+``(param_index, b)`` do not depend on the world size, so a state can be re-sharded by
+block. Groups keep their hyperparameters and the step counter ``"step"``. Everything loads
+with ``torch.load(weights_only=True)``; nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from .blocking import ParamBlocking
+from .config import LAYOUT_KEYS
+
+_KEY = re.compile(r"^block_(\d+)\.(\w+)$")
+
+
+def pack(param_groups: list[dict], owned_stacks: list) -> dict[str, Any]:
+    groups, index = [], 0
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(group["params"])))
+        index += len(group["params"])
+        groups.append(packed)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for stack in owned_stacks:
+        if not stack.state:
+            continue
+        for i, block in enumerate(stack.members):
+            entry = state.setdefault(block.param_index, {})
+            for name, tensor in stack.state.items():
+                entry[f"block_{block.block_index}.{name}"] = tensor[i]
+    return {"state": state, "param_groups": groups}
+
+
+def _refuse(message: str) -> None:
+    raise ValueError(
+        f"DistributedShampoo.load_state_dict: {message}; the checkpoint was saved for a "
+        "different model, parameter grouping or blocking, so it was not loaded"
+    )
+
+
+def unpack(state_dict: dict[str, Any], param_groups: list[dict], owned_stacks: list) -> None:
+    """Validate ``state_dict`` against this optimizer completely, then load it."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        _refuse("expected a dict with 'state' and 'param_groups'")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if len(saved_groups) != len(param_groups):
+        _refuse(f"it has {len(saved_groups)} parameter groups, this optimizer {len(param_groups)}")
+    id_to_index: dict[Any, int] = {}
+    index = 0
+    merged_groups = []
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            _refuse(
+                f"group {gi} has {len(saved['params'])} parameters in it, "
+                f"{len(group['params'])} here"
+            )
+        for key in LAYOUT_KEYS:
+            if key in saved and saved[key] != group[key]:
+                _refuse(f"group {gi} has {key}={saved[key]!r}, this optimizer {group[key]!r}")
+        for saved_id in saved["params"]:
+            id_to_index[saved_id] = index
+            index += 1
+        merged_groups.append({**group, **{k: v for k, v in saved.items() if k != "params"}})
+
+    # Where each owned block lives, and what it must hold.
+    owned: dict[tuple[int, int], tuple[Any, int]] = {}
+    for stack in owned_stacks:
+        for i, block in enumerate(stack.members):
+            owned[(block.param_index, block.block_index)] = (stack, i)
+    loads: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # stack id → member → tensors
+    for saved_id, entry in saved_state.items():
+        if saved_id not in id_to_index:
+            _refuse(f"it has state for unknown parameter {saved_id!r}")
+        param_index = id_to_index[saved_id]
+        for key, tensor in entry.items():
+            match = _KEY.match(str(key))
+            if match is None:
+                _refuse(f"unexpected entry {key!r} for parameter {param_index}")
+            block_index, name = int(match.group(1)), match.group(2)
+            where = owned.get((param_index, block_index))
+            if where is None:
+                continue  # a block another rank owns (or a consolidated checkpoint)
+            stack, i = where
+            expected = stack.expected_state(merged_groups[stack.group_index])
+            if name not in expected:
+                _refuse(f"parameter {stack.members[i].name!r} has unexpected state {name!r}")
+            shape = expected[name][0]
+            if tuple(tensor.shape) != tuple(shape):
+                _refuse(
+                    f"{name} of parameter {stack.members[i].name!r} (block {block_index}) has "
+                    f"shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+                )
+            loads.setdefault(id(stack), {}).setdefault(i, {})[name] = tensor
+    _check_blocks_exist(saved_state, id_to_index, param_groups)
+    for stack in owned_stacks:
+        members = loads.get(id(stack), {})
+        if members and len(members) != len(stack.members):
+            missing = [b for i, b in enumerate(stack.members) if i not in members][0]
+            _refuse(f"it lacks the state of parameter {missing.name!r} block {missing.block_index}")
+
+    # Everything checked: now change the optimizer.
+    for group, merged in zip(param_groups, merged_groups):
+        names = group.get("param_names")
+        group.update({k: v for k, v in merged.items() if k not in ("params", "param_names")})
+        if names is not None:
+            group["param_names"] = names
+    for stack in owned_stacks:
+        stack.state.clear()
+        stack.failures.clear()
+        members = loads.get(id(stack))
+        if not members:
+            continue
+        stack.materialize(param_groups[stack.group_index])
+        for i, tensors in members.items():
+            for name, tensor in tensors.items():
+                stack.state[name][i].copy_(tensor)
+
+
+def _check_blocks_exist(saved_state, id_to_index, param_groups) -> None:
+    """Refuse block indices the current blocking does not have (other max_preconditioner_dim)."""
+    params: list = [p for group in param_groups for p in group["params"]]
+    dims: list[int] = [group["max_preconditioner_dim"] for group in param_groups
+                       for _ in group["params"]]
+    for saved_id, entry in saved_state.items():
+        index = id_to_index[saved_id]
+        count = len(ParamBlocking.of(params[index].shape, dims[index]).slices)
+        for key in entry:
+            block_index = int(_KEY.match(str(key)).group(1))
+            if block_index >= count:
+                _refuse(
+                    f"parameter {index} has state for block {block_index} but is cut into "
+                    f"{count} block(s) here"
+                )

@@ -1,0 +1,226 @@
+"""Hyperparameter defaults and validation: the only module that knows them.
+
+Every keyword of ``DistributedShampoo`` (SPEC §7) has its default here, and
+``validate_group`` checks one parameter group's values before the optimizer changes any
+state. Errors name the keyword, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+DEFAULTS: dict[str, Any] = {
+    "lr": 1e-2,
+    "betas": (0.9, 1.0),
+    "beta3": None,
+    "epsilon": 1e-12,
+    "momentum": 0.0,
+    "dampening": 0.0,
+    "nesterov": False,
+    "weight_decay": 0.0,
+    "weight_decay_type": "decoupled",
+    "use_bias_correction": True,
+    "max_preconditioner_dim": 1024,
+    "precondition_frequency": 1,
+    "start_preconditioning_step": None,
+    "preconditioner": "shampoo",
+    "eigendecomposition": "eigh",
+    "eigenbasis_tolerance": 0.0,
+    "qr_max_iterations": 1,
+    "inverse_exponent_override": None,
+    "grafting": None,
+    "grafting_beta2": 0.999,
+    "grafting_epsilon": 1e-8,
+    "factor_matrix_dtype": torch.float32,
+    "distributed": "auto",
+    "communication_dtype": torch.float32,
+    "num_trainers_per_group": -1,
+}
+
+WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
+PRECONDITIONERS = ("shampoo", "eigenvalue_corrected")
+EIGENDECOMPOSITIONS = ("eigh", "qr")
+GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
+FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
+DISTRIBUTED_MODES = ("auto", "none", "ddp")
+COMMUNICATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Keywords that describe the whole optimizer, not one group: they must agree across groups.
+GLOBAL_KEYS = ("distributed", "communication_dtype", "num_trainers_per_group")
+
+# Keywords that decide which state tensors exist and how parameters are blocked. They are
+# fixed once state exists, and a checkpoint must agree with them to be loaded.
+LAYOUT_KEYS = (
+    "max_preconditioner_dim",
+    "preconditioner",
+    "eigendecomposition",
+    "inverse_exponent_override",
+    "grafting",
+    "factor_matrix_dtype",
+)
+
+# Entries other tools put into param groups (torch schedulers, timm, transformers): allowed.
+FOREIGN_GROUP_KEYS = frozenset(
+    {"params", "param_names", "initial_lr", "lr_scale", "name", "layer_id", "step", "peak_lr"}
+)
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"DistributedShampoo: invalid {key}={value!r}; {allowed}")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_real(key: str, value: Any, low: float, high: float, low_open=False, high_open=False):
+    ok = _is_real(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high
+        )
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        _fail(key, value, f"expected a real number in {lo}{low}, {high}{hi}")
+
+
+def _check_int(key: str, value: Any, low: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        _fail(key, value, f"expected an integer >= {low}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(key, value, f"expected one of {', '.join(repr(c) for c in choices)}")
+
+
+def _check_exponent_override(value: Any) -> None:
+    key = "inverse_exponent_override"
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        _fail(key, value, "expected None or a dict {order: exponent} / {order: {dim: exponent}}")
+    for order, entry in value.items():
+        if not isinstance(order, numbers.Integral) or isinstance(order, bool) or order < 0:
+            _fail(key, value, f"order keys must be integers >= 0, got {order!r}")
+        per_dim = entry if isinstance(entry, dict) else {None: entry}
+        for dim, exponent in per_dim.items():
+            if dim is not None and (
+                not isinstance(dim, numbers.Integral) or isinstance(dim, bool) or not 0 <= dim < order
+            ):
+                _fail(key, value, f"dim keys of order {order} must be integers in [0, {order})")
+            if not _is_real(exponent) or exponent < 0:
+                _fail(key, value, f"exponents must be real numbers >= 0, got {exponent!r}")
+
+
+def validate_group(group: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first invalid keyword of a fully defaulted group."""
+    unknown = sorted(k for k in group if k not in DEFAULTS and k not in FOREIGN_GROUP_KEYS)
+    if unknown:
+        raise ValueError(
+            f"DistributedShampoo: unknown keyword(s) {', '.join(map(repr, unknown))}; "
+            f"valid keywords are {', '.join(DEFAULTS)}"
+        )
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            _fail("lr", lr, "expected a real number >= 0 or a one-element tensor")
+    else:
+        _check_real("lr", lr, 0.0, math.inf)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        _fail("betas", betas, "expected a pair (beta1, beta2)")
+    _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+    _check_real("betas[1]", betas[1], 0.0, 1.0, low_open=True)
+    if group["beta3"] is not None:
+        _check_real("beta3", group["beta3"], 0.0, 1.0, high_open=True)
+    _check_real("epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
+    _check_real("momentum", group["momentum"], 0.0, 1.0, high_open=True)
+    _check_real("dampening", group["dampening"], 0.0, 1.0)
+    if not isinstance(group["nesterov"], bool):
+        _fail("nesterov", group["nesterov"], "expected True or False")
+    _check_real("weight_decay", group["weight_decay"], 0.0, math.inf)
+    _check_choice("weight_decay_type", group["weight_decay_type"], WEIGHT_DECAY_TYPES)
+    if not isinstance(group["use_bias_correction"], bool):
+        _fail("use_bias_correction", group["use_bias_correction"], "expected True or False")
+    _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
+    _check_int("precondition_frequency", group["precondition_frequency"], 1)
+    start = group["start_preconditioning_step"]
+    if start is not None:
+        f = group["precondition_frequency"]
+        if not isinstance(start, numbers.Integral) or isinstance(start, bool) or start < f:
+            _fail(
+                "start_preconditioning_step",
+                start,
+                f"expected None or an integer >= precondition_frequency ({f})",
+            )
+    _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
+    _check_choice("eigendecomposition", group["eigendecomposition"], EIGENDECOMPOSITIONS)
+    _check_real("eigenbasis_tolerance", group["eigenbasis_tolerance"], 0.0, 1.0)
+    _check_int("qr_max_iterations", group["qr_max_iterations"], 1)
+    _check_exponent_override(group["inverse_exponent_override"])
+    if group["preconditioner"] == "eigenvalue_corrected":
+        _check_corrected_override(group["inverse_exponent_override"])
+    _check_choice("grafting", group["grafting"], GRAFTING_TYPES)
+    _check_real("grafting_beta2", group["grafting_beta2"], 0.0, 1.0)
+    if group["grafting"] in ("rmsprop", "adam") and group["grafting_beta2"] >= 1.0:
+        _fail("grafting_beta2", group["grafting_beta2"], f"expected < 1 for {group['grafting']!r}")
+    _check_real("grafting_epsilon", group["grafting_epsilon"], 0.0, math.inf, low_open=True)
+    _check_choice("factor_matrix_dtype", group["factor_matrix_dtype"], FACTOR_MATRIX_DTYPES)
+    _check_choice("distributed", group["distributed"], DISTRIBUTED_MODES)
+    _check_choice("communication_dtype", group["communication_dtype"], COMMUNICATION_DTYPES)
+    n = group["num_trainers_per_group"]
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not (n == -1 or n >= 1):
+        _fail("num_trainers_per_group", n, "expected -1 (the whole world) or an integer >= 1")
+
+
+def _check_corrected_override(value: Any) -> None:
+    """Eigenvalue-corrected mode: per-dim entries may only be 0 (keep that dim's basis)."""
+    for order, entry in (value or {}).items():
+        if isinstance(entry, dict) and any(e != 0 for e in entry.values()):
+            _fail(
+                "inverse_exponent_override",
+                value,
+                "with preconditioner='eigenvalue_corrected' a per-dim entry may only be 0 "
+                "(that dim keeps the identity basis); {order: e} sets the exponent of the "
+                "corrected eigenvalues (default 0.5)",
+            )
+
+
+def start_step(group: dict[str, Any]) -> int:
+    """The first preconditioned step ``s`` (SPEC §2: None means precondition_frequency)."""
+    start = group["start_preconditioning_step"]
+    return group["precondition_frequency"] if start is None else int(start)
+
+
+def is_refresh_step(group: dict[str, Any], step: int) -> bool:
+    """SPEC §2: ``(t % f == 0 and t > s) or t == s``."""
+    f, s = group["precondition_frequency"], start_step(group)
+    return (step % f == 0 and step > s) or step == s
+
+
+def dim_exponents(group: dict[str, Any], order: int) -> list[float]:
+    """Exponent ``e_j`` of each dim of a block of this order (0 leaves the dim alone).
+
+    Shampoo: ``1/(2k)`` unless ``inverse_exponent_override`` says otherwise. Eigenvalue-
+    corrected: 1.0 marks a rotated dim, 0 a dim that keeps the identity basis.
+    """
+    override = (group["inverse_exponent_override"] or {}).get(order)
+    corrected = group["preconditioner"] == "eigenvalue_corrected"
+    default = 1.0 if corrected else 1.0 / (2 * order)
+    if isinstance(override, dict):
+        return [float(override.get(j, default)) for j in range(order)]
+    if override is not None and not corrected:
+        return [float(override)] * order
+    return [default] * order
+
+
+def corrected_exponent(group: dict[str, Any], order: int) -> float:
+    """Eigenvalue-corrected mode: exponent applied to ``D / bc2`` (0.5 unless overridden)."""
+    override = (group["inverse_exponent_override"] or {}).get(order)
+    return 0.5 if override is None or isinstance(override, dict) else float(override)

@@ -1,0 +1,353 @@
+"""``DistributedShampoo``: the public optimizer class.
+
+The class validates hyperparameters, lays parameters out as blocks and stacks
+(``blocking.py``, ``stack.py``), and runs a step in phases so that nothing is half-done:
+
+1. gather each owned stack's gradients (blocks whose gradient is None are skipped);
+2. at refresh steps, update factor matrices out of place and check them all for
+   non-finite values before any state or parameter changes;
+3. compute every owned block's search direction ``-lr * P`` into the direction buffers;
+4. all-gather the buffers between ranks (``distributed.py``; nothing in one process);
+5. add every block's direction to its parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from . import checkpoint
+from .blocking import ParamBlocking
+from .config import DEFAULTS, GLOBAL_KEYS, is_refresh_step, validate_group
+from .distributed import Distributor, make_distributor
+from .stack import BlockRef, BlockStack, ShampooNumericalError
+
+
+@dataclass
+class Layout:
+    """Blocks of every parameter, their stacks, and which stacks this rank owns."""
+
+    blockings: dict[int, ParamBlocking]  # param_index → blocking
+    stacks: list[BlockStack]  # every stack of every rank, in buffer order
+    owned: list[BlockStack]  # the stacks whose state lives on this rank
+
+
+class DistributedShampoo(torch.optim.Optimizer):
+    """Shampoo with Kronecker-factored blocks, grafting and data-parallel distribution.
+
+    Every keyword may also be set per parameter group. See README.md for a guide and
+    ``../shared/SPEC.md`` for the exact algorithm.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = DEFAULTS["lr"],
+        betas: tuple[float, float] = DEFAULTS["betas"],
+        beta3: float | None = DEFAULTS["beta3"],
+        epsilon: float = DEFAULTS["epsilon"],
+        momentum: float = DEFAULTS["momentum"],
+        dampening: float = DEFAULTS["dampening"],
+        nesterov: bool = DEFAULTS["nesterov"],
+        weight_decay: float = DEFAULTS["weight_decay"],
+        weight_decay_type: str = DEFAULTS["weight_decay_type"],
+        use_bias_correction: bool = DEFAULTS["use_bias_correction"],
+        max_preconditioner_dim: int = DEFAULTS["max_preconditioner_dim"],
+        precondition_frequency: int = DEFAULTS["precondition_frequency"],
+        start_preconditioning_step: int | None = DEFAULTS["start_preconditioning_step"],
+        preconditioner: str = DEFAULTS["preconditioner"],
+        eigendecomposition: str = DEFAULTS["eigendecomposition"],
+        eigenbasis_tolerance: float = DEFAULTS["eigenbasis_tolerance"],
+        qr_max_iterations: int = DEFAULTS["qr_max_iterations"],
+        inverse_exponent_override: dict | None = DEFAULTS["inverse_exponent_override"],
+        grafting: str | None = DEFAULTS["grafting"],
+        grafting_beta2: float = DEFAULTS["grafting_beta2"],
+        grafting_epsilon: float = DEFAULTS["grafting_epsilon"],
+        factor_matrix_dtype: torch.dtype = DEFAULTS["factor_matrix_dtype"],
+        distributed: str = DEFAULTS["distributed"],
+        communication_dtype: torch.dtype = DEFAULTS["communication_dtype"],
+        num_trainers_per_group: int = DEFAULTS["num_trainers_per_group"],
+    ) -> None:
+        defaults = {key: value for key, value in locals().items() if key in DEFAULTS}
+        if isinstance(defaults["betas"], list):
+            defaults["betas"] = tuple(defaults["betas"])
+        validate_group(defaults)
+        self._layout: Layout | None = None
+        self._distributor: Distributor = make_distributor(
+            distributed, num_trainers_per_group, communication_dtype
+        )
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the group completely, then add it (nothing changes on error)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        group["params"] = params
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        merged = {**self.defaults, **{k: v for k, v in group.items() if k != "params"}}
+        if isinstance(merged["betas"], list):
+            merged["betas"] = group["betas"] = tuple(merged["betas"])
+        validate_group(merged)
+        for key in GLOBAL_KEYS:
+            if merged[key] != self.defaults[key]:
+                raise ValueError(
+                    f"DistributedShampoo: {key}={merged[key]!r} differs from the optimizer's "
+                    f"{self.defaults[key]!r}; {key} applies to the whole optimizer and cannot "
+                    "be set per parameter group"
+                )
+        if merged["weight_decay"] > 0 and merged["weight_decay_type"] in (
+            "corrected",
+            "independent",
+        ):
+            peak = merged.get("peak_lr", merged["lr"])
+            if not float(peak) > 0:
+                raise ValueError(
+                    f"DistributedShampoo: weight_decay_type={merged['weight_decay_type']!r} "
+                    f"divides by the peak learning rate, so lr must be > 0 (got {peak!r})"
+                )
+        for index, tensor in enumerate(tensors):
+            if not isinstance(tensor, Tensor):
+                continue  # torch's add_param_group reports this
+            if tensor.is_complex():
+                raise ValueError(
+                    f"DistributedShampoo does not support complex parameters (parameter "
+                    f"{index} has dtype {tensor.dtype}); optimize torch.view_as_real(p) instead"
+                )
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"DistributedShampoo: parameter {index} has dtype {tensor.dtype}; "
+                    "only floating-point parameters can be optimized"
+                )
+        group.setdefault("peak_lr", float(merged["lr"]))
+        group.setdefault("step", 0)
+        super().add_param_group(group)
+        if self._layout is not None:
+            self._layout = None if not any(s.state for s in self._layout.owned) else \
+                self._extend_layout(self._layout)
+
+    # ------------------------------------------------------------------ layout
+    def _blocks(self, group_indices: Iterable[int]) -> tuple[dict, list[BlockRef]]:
+        blockings, blocks = {}, []
+        offsets = [0]
+        for group in self.param_groups:
+            offsets.append(offsets[-1] + len(group["params"]))
+        for gi in group_indices:
+            group = self.param_groups[gi]
+            names = group.get("param_names")
+            for k, param in enumerate(group["params"]):
+                index = offsets[gi] + k
+                name = names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
+                blocking = ParamBlocking.of(param.shape, group["max_preconditioner_dim"])
+                blockings[index] = blocking
+                single = len(blocking.slices) == 1
+                blocks += [
+                    BlockRef(gi, index, b, param, name, blocking.merged, None if single else sl)
+                    for b, sl in enumerate(blocking.slices)
+                ]
+        return blockings, blocks
+
+    def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
+        owners = self._distributor.assign(
+            [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
+        )
+        stacks: dict[tuple, BlockStack] = {}
+        for block, owner in zip(blocks, owners):
+            group = self.param_groups[block.group_index]
+            shape = blockings[block.param_index].block_shapes[block.block_index]
+            wide = torch.float64 in (block.param.dtype, group["factor_matrix_dtype"])
+            work_dtype = torch.float64 if wide else torch.float32
+            key = (owner, block.group_index, shape, block.param.device, work_dtype)
+            if key not in stacks:
+                stacks[key] = BlockStack(block.group_index, shape, [], work_dtype, rank=owner)
+            stacks[key].members.append(block)
+        return sorted(stacks.values(), key=lambda s: s.rank)
+
+    def _ensure_layout(self) -> Layout:
+        if self._layout is None:
+            blockings, blocks = self._blocks(range(len(self.param_groups)))
+            stacks = self._make_stacks(blocks, blockings)
+            self._layout = Layout(blockings, stacks, [])
+            self._finish_layout(self._layout)
+        return self._layout
+
+    def _extend_layout(self, layout: Layout) -> Layout:
+        known = {b.group_index for s in layout.stacks for b in s.members}
+        new_groups = [gi for gi in range(len(self.param_groups)) if gi not in known]
+        blockings, blocks = self._blocks(new_groups)
+        layout.blockings.update(blockings)
+        layout.stacks = sorted(
+            layout.stacks + self._make_stacks(blocks, blockings), key=lambda s: s.rank
+        )
+        self._finish_layout(layout)
+        return layout
+
+    def _finish_layout(self, layout: Layout) -> None:
+        layout.owned = [s for s in layout.stacks if s.rank == self._distributor.rank]
+        self._distributor.allocate_directions(layout.stacks)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step (SPEC §2); returns the closure's loss if one is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        layout = self._ensure_layout()
+        if self._distributor.needs_reallocation(layout.stacks):
+            self._distributor.allocate_directions(layout.stacks)
+        steps = [group["step"] + 1 for group in self.param_groups]
+
+        # 1. gather gradients of owned stacks
+        jobs = []
+        for stack in layout.owned:
+            active = _active_members(stack)
+            if not active:
+                continue
+            group = self.param_groups[stack.group_index]
+            stack.materialize(group)
+            full = len(active) == len(stack.members)
+            state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
+            grad = _stacked(stack, active, lambda p: p.grad)
+            param = _stacked(stack, active, lambda p: p) if group["weight_decay"] > 0 else None
+            if param is not None and group["weight_decay_type"] == "l2":  # SPEC §2 line 1
+                grad.add_(param, alpha=group["weight_decay"])
+            jobs.append([stack, group, active, state, grad, param, None])
+
+        # 2. refresh steps: out-of-place factor updates, checked before anything changes
+        checks = []
+        for job in jobs:
+            stack, group, active, state, grad, param, _ = job
+            t = steps[stack.group_index]
+            if is_refresh_step(group, t):
+                job[6] = stack.updated_factors(state, group, grad)
+                checks.append((job, _finite_rows(job[6].values())))
+        if checks and not bool(torch.stack([ok.all() for _, ok in checks]).all()):
+            for (stack, *_rest), ok in checks:
+                bad = (~ok).nonzero().flatten().tolist()
+                if bad:
+                    member = stack.members[_rest[1][bad[0]]]
+                    raise ShampooNumericalError(
+                        f"DistributedShampoo: non-finite factor matrix for parameter "
+                        f"{member.name!r} (block {member.block_index}) at step "
+                        f"{steps[stack.group_index]}; no parameter was changed by this step"
+                    )
+
+        # 3. search directions of owned blocks, written as -lr * P into the buffers
+        for stack, group, active, state, grad, param, new_factors in jobs:
+            t = steps[stack.group_index]
+            p = stack.direction(state, group, t, grad, param, new_factors, active)
+            lr = float(group["lr"])
+            if len(active) == len(stack.members):
+                stack.directions.copy_(p.mul(-lr))
+            else:
+                index = torch.tensor(active, device=p.device)
+                stack.directions.index_copy_(0, index, p.mul(-lr).to(stack.directions.dtype))
+                for name, tensor in state.items():
+                    if name in stack.state:
+                        stack.state[name].index_copy_(0, index, tensor)
+                    else:
+                        full_tensor = torch.zeros(
+                            (len(stack.members), *tensor.shape[1:]),
+                            dtype=tensor.dtype,
+                            device=tensor.device,
+                        )
+                        stack.state[name] = full_tensor.index_copy_(0, index, tensor)
+
+        # 4. share directions between ranks; 5. apply every block's direction
+        self._distributor.all_gather()
+        self._apply(layout)
+        for group, t in zip(self.param_groups, steps):
+            group["step"] = t
+        return loss
+
+    def _apply(self, layout: Layout) -> None:
+        targets: list[Tensor] = []
+        updates: list[Tensor] = []
+        assembled: dict[int, tuple[Tensor, Tensor]] = {}
+        for stack in layout.stacks:
+            for i in _active_members(stack):
+                block = stack.members[i]
+                param, update = block.param, stack.directions[i]
+                blocking = layout.blockings[block.param_index]
+                if len(blocking.slices) == 1:
+                    targets.append(param)
+                    updates.append(update.view(param.shape))
+                elif blocking.can_view(param):
+                    targets.append(param.view(blocking.merged)[blocking.slices[block.block_index]])
+                    updates.append(update)
+                else:  # e.g. a channels_last weight cut into several blocks
+                    full = assembled.get(block.param_index)
+                    if full is None:
+                        full = (param, torch.zeros(blocking.merged, dtype=update.dtype,
+                                                   device=update.device))
+                        assembled[block.param_index] = full
+                    full[1][blocking.slices[block.block_index]] = update
+        for param, full in assembled.values():
+            targets.append(param)
+            updates.append(full.view(param.shape))
+        if targets:
+            torch._foreach_add_(targets, updates)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state in torch's layout; never communicates (SPEC §6)."""
+        layout = self._ensure_layout()
+        return checkpoint.pack(self.param_groups, layout.owned)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by ``state_dict``; refuses one saved for another model or
+        another blocking with a ``ValueError`` before changing anything."""
+        layout = self._ensure_layout()
+        checkpoint.unpack(state_dict, self.param_groups, layout.owned)
+
+    def describe_blocks(self) -> list[dict[str, Any]]:
+        """One row per block: parameter name, block shape, owning rank."""
+        layout = self._ensure_layout()
+        return [
+            {"name": b.name, "param_index": b.param_index, "block": b.block_index,
+             "shape": s.shape, "rank": s.rank}
+            for s in layout.stacks for b in s.members
+        ]
+
+
+def _active_members(stack: BlockStack) -> list[int]:
+    """Positions of the stack's blocks whose parameter has a gradient this step."""
+    active = []
+    for i, block in enumerate(stack.members):
+        grad = block.param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"DistributedShampoo does not support sparse gradients (parameter "
+                f"{block.name!r}); use a dense embedding (sparse=False)"
+            )
+        active.append(i)
+    return active
+
+
+def _stacked(stack: BlockStack, active: list[int], tensor_of) -> Tensor:
+    """Copy the given members' blocks of ``tensor_of(param)`` into one ``(m, *shape)``
+    tensor of the stack's working dtype."""
+    pieces = []
+    for i in active:
+        block = stack.members[i]
+        piece = tensor_of(block.param).reshape(block.merged)
+        if block.slices is not None:
+            piece = piece[block.slices]
+        pieces.append(piece)
+    return torch.stack(pieces).to(stack.work_dtype)
+
+
+def _finite_rows(tensors: Iterable[Tensor]) -> Tensor:
+    """Per block: whether every given stacked tensor is finite."""
+    flags = [torch.isfinite(t).flatten(1).all(1) for t in tensors]
+    return torch.stack(flags).all(0) if flags else torch.ones(0, dtype=torch.bool)

@@ -1,0 +1,154 @@
+"""Tests for linalg.py: eigh fallback, root inverse, the refresh criterion and QR."""
+
+import warnings
+
+import pytest
+import torch
+
+from hf_shampoo import DistributedShampoo, linalg
+
+
+def _spd(n, d, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, 2 * d, generator=g, dtype=dtype)
+    return x @ x.mT / (2 * d)
+
+
+def test_regularized_eigenvalues_shift_rule():
+    values = torch.tensor([[-1e-3, 0.5, 2.0], [0.1, 0.2, 0.3]], dtype=torch.float64)
+    out = linalg.regularized_eigenvalues(values, 1e-2)
+    # λ_min < ε: every eigenvalue shifted by ε - λ_min; otherwise unchanged
+    torch.testing.assert_close(out[0], values[0] + (1e-2 + 1e-3))
+    torch.testing.assert_close(out[1], values[1])
+
+
+def test_inverse_root_matches_dense_power():
+    a = _spd(3, 5)
+    values, vectors = torch.linalg.eigh(a)
+    root = linalg.inverse_root_from_eigen(values, vectors, 0.25)
+    for i in range(3):
+        expected = torch.linalg.matrix_power(root[i], 4) @ a[i]
+        torch.testing.assert_close(expected, torch.eye(5, dtype=torch.float64))
+
+
+def test_batched_eigh_falls_back_per_matrix(monkeypatch):
+    a = _spd(3, 4)
+    real = torch.linalg.eigh
+    calls = {"batched": 0}
+
+    def flaky(m):
+        if m.dim() == 3:  # the batched call fails, single matrices succeed except one
+            calls["batched"] += 1
+            raise torch.linalg.LinAlgError("forced")
+        if torch.equal(m.to(torch.float64), a[1]):
+            raise torch.linalg.LinAlgError("forced")
+        return real(m)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    result = linalg.batched_eigh(a)
+    assert calls["batched"] == 1
+    assert result.ok == [True, False, True]
+    expected = real(a[0])[0]
+    torch.testing.assert_close(result.eigenvalues[0], expected)
+
+
+def test_stale_mask_skips_exactly_when_basis_is_exact():
+    a = _spd(4, 6)
+    _, exact = torch.linalg.eigh(a)
+    perturbed = exact.clone()
+    rotation = torch.linalg.matrix_exp(0.3 * (torch.eye(6) - torch.eye(6).roll(1, 0)).double())
+    perturbed[2] = exact[2] @ torch.linalg.qr(rotation)[0]
+    stale, diagonal = linalg.stale_mask(a, perturbed, 1e-6)
+    assert stale.tolist() == [False, False, True, False]
+    torch.testing.assert_close(diagonal[0], torch.linalg.eigvalsh(a[0]))
+    # tolerance 0 always refreshes
+    assert linalg.stale_mask(a, exact, 0.0)[0].all()
+
+
+def test_qr_iteration_converges_to_eigh_basis():
+    a = _spd(2, 6, seed=3)
+    values, vectors = torch.linalg.eigh(a)
+    basis = torch.linalg.qr(torch.randn(2, 6, 6, dtype=torch.float64))[0]
+    basis, estimates, _ = linalg.qr_iteration(a, basis, 500)
+    torch.testing.assert_close(estimates, values, rtol=1e-8, atol=1e-10)
+    # same eigenvectors up to sign
+    overlap = (basis.mT @ vectors).abs()
+    torch.testing.assert_close(overlap, torch.eye(6, dtype=torch.float64).expand(2, 6, 6),
+                               rtol=0, atol=1e-6)
+
+
+def test_qr_iteration_sorts_and_reports_permutation():
+    a = torch.diag_embed(torch.tensor([[3.0, 1.0, 2.0]], dtype=torch.float64))
+    basis, estimates, order = linalg.qr_iteration(a, torch.eye(3, dtype=torch.float64)[None], 1)
+    assert estimates.tolist() == [[1.0, 2.0, 3.0]]
+    assert order.tolist() == [[1, 2, 0]]
+
+
+def _train(steps=6, shape=(6, 4), **kw):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(*shape, dtype=torch.float64))
+    opt = DistributedShampoo([w], factor_matrix_dtype=torch.float64, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        w.grad = torch.randn(*shape, generator=g, dtype=torch.float64)
+        opt.step()
+    return w.detach(), opt
+
+
+# (8, 6) stays a single 2-D block with max_preconditioner_dim 8; after 12 gradients both
+# factors have full rank and distinct eigenvalues, so orthogonal iteration converges.
+_FULL_RANK = dict(steps=12, shape=(8, 6), max_preconditioner_dim=8, lr=0.1, betas=(0.0, 0.9),
+                  precondition_frequency=4, epsilon=1e-10)
+
+
+def test_qr_refresh_with_many_iterations_equals_eigh():
+    ref, _ = _train(**_FULL_RANK)
+    qr, _ = _train(eigendecomposition="qr", qr_max_iterations=2000, **_FULL_RANK)
+    torch.testing.assert_close(qr, ref, rtol=1e-8, atol=1e-10)
+
+
+def test_qr_refresh_basis_converges_to_eigh_basis_in_corrected_mode():
+    _, ref = _train(preconditioner="eigenvalue_corrected", **_FULL_RANK)
+    _, qr = _train(preconditioner="eigenvalue_corrected", eigendecomposition="qr",
+                   qr_max_iterations=2000, **_FULL_RANK)
+    for j in (0, 1):
+        a = ref.state_dict()["state"][0][f"block_0.eigenvectors_{j}"]
+        b = qr.state_dict()["state"][0][f"block_0.eigenvectors_{j}"]
+        # both sorted by ascending eigenvalue: equal up to the sign of each column
+        torch.testing.assert_close((a.mT @ b).abs(), torch.eye(a.shape[0], dtype=a.dtype),
+                                   rtol=0, atol=1e-6)
+
+
+def test_tolerance_one_never_refreshes_after_first_basis():
+    """τ = 1 always passes the criterion: the basis from the first refresh is kept."""
+    common = dict(lr=0.1, betas=(0.0, 0.9), precondition_frequency=2,
+                  preconditioner="eigenvalue_corrected")
+    _, opt = _train(steps=2, eigenbasis_tolerance=1.0, **common)
+    first = opt.state_dict()["state"][0]["block_0.eigenvectors_0"].clone()
+    g = torch.Generator().manual_seed(5)
+    w = opt.param_groups[0]["params"][0]
+    for _ in range(4):
+        w.grad = torch.randn(6, 4, generator=g, dtype=torch.float64)
+        opt.step()
+    assert torch.equal(opt.state_dict()["state"][0]["block_0.eigenvectors_0"], first)
+
+
+def test_eigh_failures_keep_previous_root_then_raise(monkeypatch):
+    w, opt = _train(steps=1, lr=0.1, betas=(0.0, 1.0), precondition_frequency=1)
+    root = opt.state_dict()["state"][0]["block_0.inverse_root_0"].clone()
+
+    def broken(m):
+        raise torch.linalg.LinAlgError("forced")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    p = opt.param_groups[0]["params"][0]
+    for step in range(3):
+        p.grad = torch.ones_like(p)
+        with pytest.warns(UserWarning, match="keeping the previous preconditioner"):
+            opt.step()
+        assert torch.equal(opt.state_dict()["state"][0]["block_0.inverse_root_0"], root)
+    p.grad = torch.ones_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="4th time in a row"):
+            opt.step()
