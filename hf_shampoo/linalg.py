@@ -67,9 +67,30 @@ def regularized_eigenvalues(eigenvalues: Tensor, epsilon: float) -> Tensor:
     return torch.where(smallest < epsilon, eigenvalues + (epsilon - smallest), eigenvalues)
 
 
+def power(values: Tensor, exponent: float) -> Tensor:
+    """``values ** exponent``, computed the same way wherever an element sits in the tensor.
+
+    On CPU, ``pow`` takes a vectorised path for most elements and a scalar one for the
+    tail, and the two can differ in the last bit; so a block's result would depend on how
+    many blocks share its batch, breaking bit-equality between a distributed run and one
+    process. Exponents ``±1/2^k`` (the defaults 1/2 and 1/4 among them) use chains of
+    correctly rounded square roots and one division instead; other exponents are computed
+    in float64 and rounded to ``values.dtype``.
+    """
+    magnitude, steps = abs(exponent), 0
+    while magnitude < 1 and steps < 6:
+        magnitude, steps = magnitude * 2, steps + 1
+    if magnitude == 1:
+        out = values
+        for _ in range(steps):
+            out = out.sqrt()
+        return out.reciprocal() if exponent < 0 else out
+    return values.double().pow(exponent).to(values.dtype)
+
+
 def inverse_root_from_eigen(eigenvalues: Tensor, eigenvectors: Tensor, exponent: float) -> Tensor:
     """``Q diag(λ^-e) Qᵀ`` for a stack (eigenvalues already regularised)."""
-    return (eigenvectors * eigenvalues.pow(-exponent).unsqueeze(-2)) @ eigenvectors.mT
+    return (eigenvectors * power(eigenvalues, -exponent).unsqueeze(-2)) @ eigenvectors.mT
 
 
 def off_diagonal_ratio(matrices: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
@@ -93,17 +114,33 @@ def stale_mask(matrices: Tensor, basis: Tensor, tolerance: float) -> tuple[Tenso
     return ratio > tolerance, diagonal
 
 
-def qr_iteration(matrices: Tensor, basis: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Warm-started orthogonal iteration ``Q, _ = qr(A Q)``, ``iterations`` times.
+def qr_iteration(
+    matrices: Tensor, basis: Tensor, iterations: int, tolerance: float = 0.0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Warm-started orthogonal iteration ``Q, _ = qr(A Q)``, up to ``iterations`` times.
 
-    Returns the new basis with columns sorted by ascending eigenvalue estimate
-    ``diag(Qᵀ A Q)``, those estimates, and the permutation applied (``(n, d)`` indices into
-    the unsorted columns) so callers can permute state kept in the old column order.
+    With ``tolerance > 0`` a matrix stops iterating as soon as its basis passes the
+    criterion of ``stale_mask`` (checked before every further iteration; callers check
+    before the first). Columns are kept sorted by *descending* eigenvalue estimate
+    ``diag(Qᵀ A Q)``: the QR step hands the dominant direction to the first column, so a
+    basis sorted that way stays in place under it. Returns the basis, the estimates and
+    the permutation applied (``(n, d)`` indices into the unsorted columns) so that callers
+    can permute state kept in the old column order.
     """
-    for _ in range(iterations):
-        basis, _ = torch.linalg.qr(matrices @ basis)
+    basis = basis.clone()
+    active = torch.arange(matrices.shape[0], device=matrices.device)
+    for iteration in range(iterations):
+        if iteration > 0 and tolerance > 0:
+            stale, _ = stale_mask(matrices[active], basis[active], tolerance)
+            active = active[stale]
+            if len(active) == 0:
+                break
+        if len(active) == matrices.shape[0]:
+            basis, _ = torch.linalg.qr(matrices @ basis)
+        else:
+            basis[active] = torch.linalg.qr(matrices[active] @ basis[active])[0]
     estimates = torch.diagonal(basis.mT @ matrices @ basis, dim1=-2, dim2=-1)
-    order = estimates.argsort(dim=-1)
+    order = estimates.argsort(dim=-1, descending=True, stable=True)
     estimates = estimates.gather(-1, order)
     basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
     return basis, estimates, order

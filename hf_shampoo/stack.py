@@ -250,7 +250,7 @@ class BlockStack:
         rotated = multi_mode_product(filtered.to(fdtype), bases, transpose=True).to(filtered.dtype)
         exponent = corrected_exponent(group, self.order)
         scaled = state["corrected_eigenvalues"] / bias2
-        scaled = scaled.sqrt() if exponent == 0.5 else scaled.pow(exponent)
+        scaled = linalg.power(scaled, exponent)
         rotated = rotated / (scaled + group["epsilon"])
         return multi_mode_product(rotated.to(fdtype), bases).to(filtered.dtype)
 
@@ -291,7 +291,10 @@ class BlockStack:
                 sub = matrix if len(todo) == n else matrix[todo]
                 if use_qr:
                     basis, estimates, order = linalg.qr_iteration(
-                        sub, state[f"eigenvectors_{j}"][todo], group["qr_max_iterations"]
+                        sub,
+                        state[f"eigenvectors_{j}"][todo],
+                        group["qr_max_iterations"],
+                        group["eigenbasis_tolerance"],
                     )
                     new_values = estimates + epsilon
                     sub_ok = (
@@ -301,6 +304,8 @@ class BlockStack:
                     eye = torch.eye(d, dtype=matrix.dtype, device=device)
                     eig = linalg.batched_eigh(sub + epsilon * eye)
                     basis, new_values = eig.eigenvectors, eig.eigenvalues
+                    if keeps:  # kept bases are sorted by descending eigenvalue (see qr_iteration)
+                        basis, new_values = basis.flip(-1), new_values.flip(-1)
                     sub_ok = torch.tensor(eig.ok, dtype=torch.bool)
                 ok[todo.cpu()] = sub_ok
                 good = sub_ok.to(device)

@@ -70,18 +70,41 @@ def test_qr_iteration_converges_to_eigh_basis():
     values, vectors = torch.linalg.eigh(a)
     basis = torch.linalg.qr(torch.randn(2, 6, 6, dtype=torch.float64))[0]
     basis, estimates, _ = linalg.qr_iteration(a, basis, 500)
-    torch.testing.assert_close(estimates, values, rtol=1e-8, atol=1e-10)
-    # same eigenvectors up to sign
-    overlap = (basis.mT @ vectors).abs()
+    torch.testing.assert_close(estimates, values.flip(-1), rtol=1e-8, atol=1e-10)
+    # same eigenvectors (descending order) up to sign
+    overlap = (basis.mT @ vectors.flip(-1)).abs()
     torch.testing.assert_close(overlap, torch.eye(6, dtype=torch.float64).expand(2, 6, 6),
                                rtol=0, atol=1e-6)
+
+
+def test_single_qr_step_keeps_a_good_descending_basis_good():
+    """A warm start from a nearly exact basis must get better, not scramble its columns."""
+    a = _spd(1, 6, seed=7)
+    _, vectors = torch.linalg.eigh(a)
+    noise = torch.linalg.matrix_exp(1e-2 * (lambda m: m - m.mT)(torch.randn(1, 6, 6).double()))
+    start = vectors.flip(-1) @ noise
+    before = linalg.off_diagonal_ratio(a, start)[1]
+    basis, _, order = linalg.qr_iteration(a, start, 1)
+    after = linalg.off_diagonal_ratio(a, basis)[1]
+    assert after < before
+    assert order.tolist() == [list(range(6))]
+
+
+def test_qr_iteration_stops_early_when_tolerance_met():
+    a = _spd(2, 5, seed=2)
+    _, vectors = torch.linalg.eigh(a)
+    exact = vectors.flip(-1)
+    basis, _, _ = linalg.qr_iteration(a, exact.clone(), 50, tolerance=1e-3)
+    # after the first (mandatory) step the basis already passes: no further steps taken
+    one_step, _, _ = linalg.qr_iteration(a, exact.clone(), 1)
+    torch.testing.assert_close(basis, one_step, rtol=0, atol=0)
 
 
 def test_qr_iteration_sorts_and_reports_permutation():
     a = torch.diag_embed(torch.tensor([[3.0, 1.0, 2.0]], dtype=torch.float64))
     basis, estimates, order = linalg.qr_iteration(a, torch.eye(3, dtype=torch.float64)[None], 1)
-    assert estimates.tolist() == [[1.0, 2.0, 3.0]]
-    assert order.tolist() == [[1, 2, 0]]
+    assert estimates.tolist() == [[3.0, 2.0, 1.0]]
+    assert order.tolist() == [[0, 2, 1]]
 
 
 def _train(steps=6, shape=(6, 4), **kw):
@@ -114,7 +137,7 @@ def test_qr_refresh_basis_converges_to_eigh_basis_in_corrected_mode():
     for j in (0, 1):
         a = ref.state_dict()["state"][0][f"block_0.eigenvectors_{j}"]
         b = qr.state_dict()["state"][0][f"block_0.eigenvectors_{j}"]
-        # both sorted by ascending eigenvalue: equal up to the sign of each column
+        # both sorted by descending eigenvalue: equal up to the sign of each column
         torch.testing.assert_close((a.mT @ b).abs(), torch.eye(a.shape[0], dtype=a.dtype),
                                    rtol=0, atol=1e-6)
 
