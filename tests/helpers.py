@@ -1,0 +1,56 @@
+"""Shared helpers of the test suite: deterministic gradients and an optimizer-vs-reference runner."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.reference_shampoo import ReferenceShampoo
+
+F64 = torch.float64
+
+
+def random_tensors(shape, count, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(shape, generator=gen, dtype=F64) for _ in range(count)]
+
+
+def run_against_reference(
+    shape,
+    config,
+    steps=6,
+    seed=0,
+    grads=None,
+    lrs=None,
+    rtol=1e-9,
+    atol=1e-12,
+):
+    """Step the optimizer and the reference on the same gradients; compare after every step.
+
+    Returns the reference so that callers can look at its counters.
+    """
+    from hf_shampoo import DistributedShampoo
+
+    (w0,) = random_tensors(shape, 1, seed + 1000)
+    if grads is None:
+        grads = random_tensors(shape, steps, seed)
+    param = torch.nn.Parameter(w0.clone())
+    opt = DistributedShampoo([param], factor_matrix_dtype=F64, **config)
+    ref = ReferenceShampoo(w0, **config)
+    for t, g in enumerate(grads, start=1):
+        lr = None
+        if lrs is not None:
+            lr = lrs[t - 1]
+            opt.param_groups[0]["lr"] = lr
+        param.grad = None if g is None else g.clone()
+        opt.step()
+        ref.step(g, lr=lr)
+        torch.testing.assert_close(
+            param.detach(),
+            ref.param,
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, t=t: f"after step {t}: {m}",
+        )
+    # the parameter moved at all (guards against a test that compares two no-ops)
+    assert not torch.equal(param.detach(), w0)
+    return ref

@@ -1,0 +1,273 @@
+"""Behaviour around the step: skipped gradients, non-finite factors, convergence, param groups."""
+
+import io
+import re
+
+import pytest
+import torch
+
+from hf_shampoo import DistributedShampoo
+from tests.helpers import F64, random_tensors
+from tests.reference_shampoo import ReferenceShampoo
+
+CONFIG = {
+    "lr": 0.1,
+    "betas": (0.9, 0.99),
+    "epsilon": 1e-6,
+    "max_preconditioner_dim": 4,
+    "grafting": "adam",
+    "momentum": 0.5,
+    "precondition_frequency": 2,
+    "start_preconditioning_step": 2,
+}
+
+
+def flat_state(opt):
+    """state_dict()['state'] as {path: value}, whatever its nesting (layout is the package's)."""
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict()["state"], buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    out = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(prefix + (str(k),), v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(prefix + (i,), v)
+        else:
+            out[prefix] = obj
+
+    walk((), state)
+    return out
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def close(a, b):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=0)
+    return same(a, b)
+
+
+@pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
+def test_param_without_grad_is_skipped(preconditioner):
+    """SPEC §2 note: a block whose gradient is None is skipped entirely (no state update, no
+    move); the group's step counter t still advances (it counts step() calls)."""
+    config = {**CONFIG, "preconditioner": preconditioner}
+    shapes = [(5, 3), (4, 6)]
+    inits = [random_tensors(s, 1, seed=50 + i)[0] for i, s in enumerate(shapes)]
+    grads = [random_tensors(s, 6, seed=60 + i) for i, s in enumerate(shapes)]
+    skip_at = {3, 4}  # steps (1-based) at which the second param has no gradient (4: a refresh)
+
+    def run(skip):
+        ps = [torch.nn.Parameter(w.clone()) for w in inits]
+        opt = DistributedShampoo(ps, factor_matrix_dtype=F64, **config)
+        snapshots = []
+        for t in range(1, 7):
+            ps[0].grad = grads[0][t - 1].clone()
+            ps[1].grad = None if (skip and t in skip_at) else grads[1][t - 1].clone()
+            before = [p.detach().clone() for p in ps]
+            state_before = flat_state(opt)
+            opt.step()
+            snapshots.append(
+                (before, state_before, [p.detach().clone() for p in ps], flat_state(opt))
+            )
+        return ps, snapshots
+
+    ps, snaps = run(skip=True)
+    _, snaps_full = run(skip=False)
+    for t in sorted(skip_at):
+        before, state_before, after, state_after = snaps[t - 1]
+        assert torch.equal(after[1], before[1]), f"step {t}: skipped param moved"
+        assert not torch.equal(after[0], before[0]), f"step {t}: other param did not move"
+        # compare with the same step where the second param did get its gradient (same state
+        # before the step only at the first skipped step)
+        if t == min(skip_at):
+            full_after = snaps_full[t - 1][3]
+            assert state_after.keys() == state_before.keys() == full_after.keys()
+            kept = 0
+            for key in state_after:
+                # every entry either did not change, or changed exactly as when the second
+                # param also had a gradient (i.e. it belongs to the first param / the counter)
+                assert same(state_after[key], state_before[key]) or close(
+                    state_after[key], full_after[key]
+                ), f"state entry {key} changed although its parameter had no gradient"
+                if not same(full_after[key], state_before[key]) and same(
+                    state_after[key], state_before[key]
+                ):
+                    kept += 1
+            assert kept > 0, "no state entry of the skipped parameter was found unchanged"
+
+    # afterwards both params follow the reference in which t counts every step() call
+    for i in range(2):
+        ref = ReferenceShampoo(inits[i], **config)
+        for t in range(1, 7):
+            ref.step(None if (i == 1 and t in skip_at) else grads[i][t - 1])
+        torch.testing.assert_close(ps[i].detach(), ref.param, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
+def test_nan_gradient_at_refresh_raises_and_changes_nothing(preconditioner):
+    gen = torch.Generator().manual_seed(0)
+    named = [
+        ("encoder.w_first", torch.nn.Parameter(torch.randn(4, 3, generator=gen))),
+        ("decoder.w_second", torch.nn.Parameter(torch.randn(5, generator=gen))),
+    ]
+    opt = DistributedShampoo(named, lr=0.1, precondition_frequency=3, preconditioner=preconditioner)
+    for _ in range(5):  # refreshes at t = 3 (and 6)
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    named[0][1].grad = torch.randn(4, 3, generator=gen)
+    bad = torch.randn(5, generator=gen)
+    bad[2] = float("nan")
+    named[1][1].grad = bad
+    before = [p.detach().clone() for _, p in named]
+    with pytest.raises(RuntimeError) as info:
+        opt.step()  # t = 6: refresh with a NaN factor
+    message = str(info.value)
+    assert "decoder.w_second" in message
+    assert re.search(r"(?<![\d.])6(?![\d.])", message), message
+    for (name, p), b in zip(named, before):
+        assert torch.equal(p.detach(), b), f"{name} changed by the failing step"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param({"lr": 0.1}, id="defaults-but-lr"),
+        pytest.param(
+            {
+                "lr": 0.05,
+                "grafting": "adam",
+                "betas": (0.9, 0.999),
+                "precondition_frequency": 5,
+                "epsilon": 1e-8,
+            },
+            id="shampoo-adam-grafting",
+        ),
+        pytest.param(
+            {
+                "lr": 0.05,
+                "preconditioner": "eigenvalue_corrected",
+                "betas": (0.9, 0.95),
+                "epsilon": 1e-8,
+                "precondition_frequency": 5,
+            },
+            id="eigenvalue-corrected",
+        ),
+        pytest.param(
+            {
+                "lr": 0.05,
+                "preconditioner": "eigenvalue_corrected",
+                "eigendecomposition": "qr",
+                "betas": (0.9, 0.95),
+                "epsilon": 1e-8,
+                "precondition_frequency": 2,
+            },
+            id="eigenvalue-corrected-qr",
+        ),
+    ],
+)
+def test_tiny_regression_loss_decreases(config):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=gen)
+    w_true = torch.randn(6, 3, generator=gen)
+    y = x @ w_true + 0.01 * torch.randn(64, 3, generator=gen)
+    model = torch.nn.Linear(6, 3)
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    opt = DistributedShampoo(model.named_parameters(), max_preconditioner_dim=8, **config)
+
+    def loss_fn():
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    initial = loss_fn().item()
+    for _ in range(40):
+        opt.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+    final = loss_fn().item()
+    assert final < 0.5 * initial, (initial, final)
+
+
+def test_step_with_closure_returns_loss():
+    p = torch.nn.Parameter(torch.ones(3, 2))
+    opt = DistributedShampoo([p], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.item() == pytest.approx(6.0)
+    assert not torch.equal(p.detach(), torch.ones(3, 2))
+
+
+def test_param_groups_with_their_own_hyperparameters():
+    shapes = [(4, 5), (6,), (5, 4)]
+    group_configs = [
+        {"lr": 0.1, "grafting": "adam", "momentum": 0.5, "precondition_frequency": 2},
+        {"lr": 0.03, "grafting": "sgd", "betas": (0.5, 0.99), "weight_decay": 0.1},
+        {
+            "lr": 0.05,
+            "preconditioner": "eigenvalue_corrected",
+            "max_preconditioner_dim": 3,
+            "betas": (0.9, 0.99),
+            "start_preconditioning_step": 3,
+        },
+    ]
+    defaults = {"epsilon": 1e-6, "max_preconditioner_dim": 4}
+    inits = [random_tensors(s, 1, seed=70 + i)[0] for i, s in enumerate(shapes)]
+    grads = [random_tensors(s, 5, seed=80 + i) for i, s in enumerate(shapes)]
+    ps = [torch.nn.Parameter(w.clone()) for w in inits]
+    opt = DistributedShampoo(
+        [{"params": [p], **cfg} for p, cfg in zip(ps, group_configs)],
+        factor_matrix_dtype=F64,
+        **defaults,
+    )
+    refs = [ReferenceShampoo(w, **{**defaults, **cfg}) for w, cfg in zip(inits, group_configs)]
+    for t in range(5):
+        for i in range(len(shapes)):
+            ps[i].grad = grads[i][t].clone()
+            refs[i].step(grads[i][t])
+        opt.step()
+        for i in range(len(shapes)):
+            torch.testing.assert_close(
+                ps[i].detach(),
+                refs[i].param,
+                rtol=1e-9,
+                atol=1e-12,
+                msg=lambda m, t=t, i=i: f"group {i}, step {t + 1}: {m}",
+            )
+
+
+def test_step_counter_is_per_group():
+    """A group whose params never have a gradient still counts its steps (t per group), so a
+    param added later in its own group starts at t = 1."""
+    config = {"lr": 0.1, "betas": (0.9, 0.99), "max_preconditioner_dim": 4, "epsilon": 1e-6}
+    (w_a,), (w_b,) = random_tensors((4, 5), 1, seed=90), random_tensors((4, 5), 1, seed=91)
+    grads = random_tensors((4, 5), 6, seed=92)
+    pa, pb = torch.nn.Parameter(w_a.clone()), torch.nn.Parameter(w_b.clone())
+    opt = DistributedShampoo([pa], factor_matrix_dtype=F64, **config)
+    for t in range(3):
+        pa.grad = grads[t].clone()
+        opt.step()
+    opt.add_param_group({"params": [pb]})
+    ref = ReferenceShampoo(w_b, **config)
+    for t in range(3, 6):
+        pa.grad = grads[t].clone()
+        pb.grad = grads[t].clone()
+        opt.step()
+        ref.step(grads[t])
+    torch.testing.assert_close(pb.detach(), ref.param, rtol=1e-9, atol=1e-12)
