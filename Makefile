@@ -1,0 +1,33 @@
+# Set-up-free entry points: `make demo`, `make test`. Everything runs from .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo lint clean
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install whenever pyproject.toml changes.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+demo: venv
+	$(PY) examples/train_digits.py
+
+lint: venv
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache outputs
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
