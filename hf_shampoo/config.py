@@ -42,7 +42,8 @@ DEFAULTS: dict[str, Any] = {
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
-PRECONDITIONERS = ("shampoo", "eigenvalue_corrected")
+# "diagonal": no Kronecker factors; the grafting method alone is the update (biases, norms).
+PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
@@ -210,6 +211,8 @@ def dim_exponents(group: dict[str, Any], order: int) -> list[float]:
     Shampoo: ``1/(2k)`` unless ``inverse_exponent_override`` says otherwise. Eigenvalue-
     corrected: 1.0 marks a rotated dim, 0 a dim that keeps the identity basis.
     """
+    if group["preconditioner"] == "diagonal":
+        return [0.0] * order
     override = (group["inverse_exponent_override"] or {}).get(order)
     corrected = group["preconditioner"] == "eigenvalue_corrected"
     default = 1.0 if corrected else 1.0 / (2 * order)

@@ -72,6 +72,8 @@ class BlockStack:
 
     def keeps_basis(self, group: dict) -> bool:
         """Whether eigenvectors are state (needed by QR and by the refresh criterion)."""
+        if group["preconditioner"] == "diagonal":
+            return False
         return group["preconditioner"] == "eigenvalue_corrected" or (
             group["eigendecomposition"] == "qr" or group["eigenbasis_tolerance"] > 0
         )
@@ -187,7 +189,8 @@ class BlockStack:
                 v = v / (1.0 - gb2**step)
             return x / (v.sqrt() + group["grafting_epsilon"])
 
-        if step < start_step(group) and grafting is not None:
+        diagonal = group["preconditioner"] == "diagonal"
+        if diagonal or (step < start_step(group) and grafting is not None):
             direction = graft(filtered)
         else:
             if corrected:

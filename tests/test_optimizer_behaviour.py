@@ -271,3 +271,23 @@ def test_step_counter_is_per_group():
         opt.step()
         ref.step(grads[t])
     torch.testing.assert_close(pb.detach(), ref.param, rtol=1e-9, atol=1e-12)
+
+
+def test_diagonal_preconditioner_is_the_grafting_method_alone():
+    """preconditioner="diagonal" with Adam grafting is Adam, at every step (also after the
+    steps where Shampoo would start preconditioning), and keeps no factor matrices."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64))
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    opt = DistributedShampoo([w], lr=0.01, betas=(0.9, 0.99), grafting="adam",
+                             grafting_beta2=0.99, grafting_epsilon=1e-8,
+                             preconditioner="diagonal", precondition_frequency=2)
+    ref = torch.optim.Adam([w_ref], lr=0.01, betas=(0.9, 0.99), eps=1e-8)
+    for _ in range(6):
+        g = torch.randn(5, 3, dtype=torch.float64)
+        w.grad, w_ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(w, w_ref, rtol=1e-12, atol=1e-14)
+    keys = opt.state_dict()["state"][0]
+    assert not any("factor_matrix" in k for k in keys)
