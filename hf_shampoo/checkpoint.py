@@ -39,6 +39,32 @@ def pack(param_groups: list[dict], owned_stacks: list) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def to_cpu(state: dict) -> dict:
+    """A copy of a ``state`` mapping with every tensor cloned to CPU (for gathering)."""
+    return {
+        index: {key: tensor.detach().to("cpu", copy=True) for key, tensor in entry.items()}
+        for index, entry in state.items()
+    }
+
+
+def merge_shards(shards: list[dict]) -> dict:
+    """Union of per-rank ``state`` mappings, ordered by parameter and key. Blocks that
+    several trainer groups hold are identical; the first copy is kept."""
+    merged: dict[int, dict] = {}
+    for shard in shards:
+        for index, entry in shard.items():
+            target = merged.setdefault(index, {})
+            for key, tensor in entry.items():
+                target.setdefault(key, tensor)
+    return {index: dict(sorted(merged[index].items(), key=lambda kv: _sort_key(kv[0])))
+            for index in sorted(merged)}
+
+
+def _sort_key(key: str) -> tuple:
+    match = _KEY.match(key)
+    return (int(match.group(1)), match.group(2)) if match else (-1, key)
+
+
 def _refuse(message: str) -> None:
     raise ValueError(
         f"DistributedShampoo.load_state_dict: {message}; the checkpoint was saved for a "

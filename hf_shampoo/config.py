@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "distributed": "auto",
     "communication_dtype": torch.float32,
     "num_trainers_per_group": -1,
+    "assignment_cost": "memory",
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -49,9 +50,11 @@ GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
 DISTRIBUTED_MODES = ("auto", "none", "ddp")
 COMMUNICATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# How blocks are weighed when spread over ranks (distributed.block_cost).
+ASSIGNMENT_COSTS = ("memory", "compute")
 
 # Keywords that describe the whole optimizer, not one group: they must agree across groups.
-GLOBAL_KEYS = ("distributed", "communication_dtype", "num_trainers_per_group")
+GLOBAL_KEYS = ("distributed", "communication_dtype", "num_trainers_per_group", "assignment_cost")
 
 # Keywords that decide which state tensors exist and how parameters are blocked. They are
 # fixed once state exists, and a checkpoint must agree with them to be loaded.
@@ -175,6 +178,7 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_choice("factor_matrix_dtype", group["factor_matrix_dtype"], FACTOR_MATRIX_DTYPES)
     _check_choice("distributed", group["distributed"], DISTRIBUTED_MODES)
     _check_choice("communication_dtype", group["communication_dtype"], COMMUNICATION_DTYPES)
+    _check_choice("assignment_cost", group["assignment_cost"], ASSIGNMENT_COSTS)
     n = group["num_trainers_per_group"]
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not (n == -1 or n >= 1):
         _fail("num_trainers_per_group", n, "expected -1 (the whole world) or an integer >= 1")

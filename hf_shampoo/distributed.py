@@ -17,9 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ASSIGNMENT_COSTS = ("memory", "compute")
-
-
 def block_cost(shape: Sequence[int], cost: str = "memory") -> float:
     """Cost of a block for assignment.
 
@@ -143,14 +140,23 @@ class DataParallelDistributor(Distributor):
     def all_gather(self) -> None:
         if self.buffer is None or self.segment == 0:
             return
+        # In place: this rank's input is its own slice of the output buffer.
         local = self.buffer[self.rank * self.segment : (self.rank + 1) * self.segment]
-        dist.all_gather_into_tensor(self.buffer, local.clone(), group=self.process_group)
+        dist.all_gather_into_tensor(self.buffer, local, group=self.process_group)
 
 
 def make_distributor(
-    mode: str, num_trainers_per_group: int, communication_dtype: torch.dtype
+    mode: str,
+    num_trainers_per_group: int,
+    communication_dtype: torch.dtype,
+    assignment_cost: str = "memory",
 ) -> Distributor:
-    """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" (SPEC §4)."""
+    """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" (SPEC §4).
+
+    "auto": Accelerate's world when its process state has set up distributed training,
+    else torch.distributed's default group when initialised with more than one rank, else
+    one process. "ddp" insists on a process group; "none" is always one process.
+    """
     if mode == "none":
         return Distributor()
     initialised = dist.is_available() and dist.is_initialized()
@@ -161,7 +167,11 @@ def make_distributor(
                 "(torch.distributed.init_process_group, torchrun or accelerate launch); use "
                 "distributed='auto' or 'none' for one process"
             )
-        return DataParallelDistributor(communication_dtype, num_trainers_per_group)
+        return DataParallelDistributor(
+            communication_dtype, num_trainers_per_group, assignment_cost
+        )
     if (_accelerate_world() or initialised) and dist.is_initialized() and dist.get_world_size() > 1:
-        return DataParallelDistributor(communication_dtype, num_trainers_per_group)
+        return DataParallelDistributor(
+            communication_dtype, num_trainers_per_group, assignment_cost
+        )
     return Distributor()

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import checkpoint
 from .blocking import ParamBlocking
 from .config import DEFAULTS, GLOBAL_KEYS, is_refresh_step, validate_group
-from .distributed import Distributor, make_distributor
+from .distributed import DataParallelDistributor, Distributor, make_distributor
 from .stack import BlockRef, BlockStack, ShampooNumericalError
 
 
@@ -70,14 +71,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         distributed: str = DEFAULTS["distributed"],
         communication_dtype: torch.dtype = DEFAULTS["communication_dtype"],
         num_trainers_per_group: int = DEFAULTS["num_trainers_per_group"],
+        assignment_cost: str = DEFAULTS["assignment_cost"],
     ) -> None:
         defaults = {key: value for key, value in locals().items() if key in DEFAULTS}
         if isinstance(defaults["betas"], list):
             defaults["betas"] = tuple(defaults["betas"])
         validate_group(defaults)
         self._layout: Layout | None = None
+        self._consolidated: dict[str, Any] | None = None
         self._distributor: Distributor = make_distributor(
-            distributed, num_trainers_per_group, communication_dtype
+            distributed, num_trainers_per_group, communication_dtype, assignment_cost
         )
         super().__init__(params, defaults)
 
@@ -201,6 +204,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         layout = self._ensure_layout()
+        self._consolidated = None
         if self._distributor.needs_reallocation(layout.stacks):
             self._distributor.allocate_directions(layout.stacks)
         steps = [group["step"] + 1 for group in self.param_groups]
@@ -298,15 +302,57 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state in torch's layout; never communicates (SPEC §6)."""
+        """This rank's optimizer state in torch's layout; never communicates (SPEC §6).
+
+        After ``consolidate_state_dict(to=r)``, rank ``r`` returns the state of every
+        rank's blocks instead, until the next ``step()``.
+        """
+        if self._consolidated is not None:
+            return self._consolidated
+        return self.local_state_dict()
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """The state of the blocks this rank owns (the whole state in one process)."""
         layout = self._ensure_layout()
         return checkpoint.pack(self.param_groups, layout.owned)
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's blocks onto global rank ``to`` (a collective: every rank
+        calls it), so that ``state_dict()`` there returns the full state, as torch's
+        ``ZeroRedundancyOptimizer`` does. Tools that save on one rank only (Trainer,
+        Accelerate) call this first; in one process it does nothing."""
+        self._consolidated = None
+        if not isinstance(self._distributor, DataParallelDistributor):
+            return
+        local = self.local_state_dict()
+        shard = checkpoint.to_cpu(local["state"])
+        gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == to else None
+        dist.gather_object(shard, gathered, dst=to)
+        if gathered is not None:
+            self._consolidated = {
+                "state": checkpoint.merge_shards(gathered),
+                "param_groups": local["param_groups"],
+            }
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by ``state_dict``; refuses one saved for another model or
-        another blocking with a ``ValueError`` before changing anything."""
+        """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
+        full or consolidated state loads at any world size). Refuses a state saved for
+        another model or another blocking with a ``ValueError`` before changing anything.
+        """
         layout = self._ensure_layout()
         checkpoint.unpack(state_dict, self.param_groups, layout.owned)
+        self._consolidated = None
+
+    def owned_state_keys(self) -> list[tuple[int, str]]:
+        """``(param_index, "block_{b}.{name}")`` of every state tensor this rank holds or
+        will hold (used to load sharded checkpoints)."""
+        layout = self._ensure_layout()
+        keys = []
+        for stack in layout.owned:
+            names = stack.expected_state(self.param_groups[stack.group_index])
+            for block in stack.members:
+                keys += [(block.param_index, f"block_{block.block_index}.{n}") for n in names]
+        return keys
 
     def describe_blocks(self) -> list[dict[str, Any]]:
         """One row per block: parameter name, block shape, owning rank."""

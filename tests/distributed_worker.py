@@ -1,0 +1,151 @@
+"""Scenarios run on every rank of a gloo process group for tests/test_distributed.py.
+
+Each scenario trains a tiny set of parameters with identical, deterministic gradients on
+every rank (what DDP's all-reduce guarantees) and returns what the test compares against
+one process. ``run_world`` is the ``mp.spawn`` entry: it runs every scenario and saves one
+result file per rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from hf_shampoo import DistributedShampoo
+from hf_shampoo.distributed_checkpoint import load_sharded, save_sharded
+
+SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), ()]
+
+SCENARIOS: dict[str, dict] = {
+    "shampoo_adam": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                         max_preconditioner_dim=16),
+    "eigen_qr": dict(lr=0.01, betas=(0.9, 0.99), epsilon=1e-8,
+                     preconditioner="eigenvalue_corrected", eigendecomposition="qr",
+                     eigenbasis_tolerance=0.05, precondition_frequency=2,
+                     max_preconditioner_dim=16),
+    "rmsprop_nesterov_l2": dict(lr=0.01, grafting="rmsprop", momentum=0.9, nesterov=True,
+                                weight_decay=1e-2, weight_decay_type="l2",
+                                precondition_frequency=3, max_preconditioner_dim=12),
+    "adagrad_corrected_beta3": dict(lr=0.02, grafting="adagrad", beta3=0.95,
+                                    weight_decay=1e-2, weight_decay_type="corrected",
+                                    precondition_frequency=2, max_preconditioner_dim=16,
+                                    assignment_cost="compute"),
+    "trainers_per_group_1": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                                 max_preconditioner_dim=16, num_trainers_per_group=1),
+    "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                               max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
+}
+# Wrapped-model runs compare with one process up to all-reduce rounding: keep the factors
+# well conditioned (a rank-deficient factor with ε = 1e-12 amplifies rounding ~1e6 times).
+WRAPPED_CONFIG = dict(lr=0.05, grafting="adam", precondition_frequency=2, epsilon=1e-3,
+                      max_preconditioner_dim=8)
+STEPS = 5
+NO_GRAD = {1: (2, 3)}  # parameter 1 has no gradient at steps 2 and 3
+
+
+def make_params(shapes=SHAPES) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def set_grads(params, step: int, no_grad=NO_GRAD) -> None:
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g)
+        p.grad = None if step in no_grad.get(i, ()) else grad
+
+
+def train(config: dict, steps: int = STEPS, shapes=SHAPES, params=None, optimizer=None,
+          first_step: int = 1):
+    params = params if params is not None else make_params(shapes)
+    opt = optimizer or DistributedShampoo(params, **config)
+    for step in range(first_step, first_step + steps):
+        set_grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def state_numel(state_dict) -> int:
+    return sum(t.numel() for entry in state_dict["state"].values() for t in entry.values())
+
+
+def _ddp_scenario(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = DistributedShampoo(ddp.parameters(), **WRAPPED_CONFIG)
+    data = torch.Generator().manual_seed(7)
+    x, y = torch.randn(12 * world, 6, generator=data), torch.randn(12 * world, 2, generator=data)
+    shard = slice(rank * 12, (rank + 1) * 12)
+    for _ in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "kind": type(opt._distributor).__name__}
+
+
+def _accelerate_scenario(rank: int, world: int) -> dict:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = DistributedShampoo(model.parameters(), **WRAPPED_CONFIG)
+    model, opt = accelerator.prepare(model, opt)
+    data = torch.Generator().manual_seed(7)
+    x, y = torch.randn(12 * world, 6, generator=data), torch.randn(12 * world, 2, generator=data)
+    shard = slice(rank * 12, (rank + 1) * 12)
+    for _ in range(4):
+        opt.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(model(x[shard]), y[shard]))
+        opt.step()
+    inner = opt.optimizer
+    return {"params": [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()],
+            "kind": type(inner._distributor).__name__,
+            "world": inner._distributor.world_size}
+
+
+def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: str | None):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    results: dict = {}
+    for name, config in SCENARIOS.items():
+        params, opt = train(config)
+        results[name] = {"params": [p.detach().clone() for p in params],
+                         "state_numel": state_numel(opt.state_dict()),
+                         "kind": type(opt._distributor).__name__}
+    # a rank that owns no block: one tiny parameter, world > 1
+    params, opt = train(SCENARIOS["shampoo_adam"], shapes=[(3,)])
+    results["one_block"] = {"params": [p.detach().clone() for p in params],
+                            "state_numel": state_numel(opt.state_dict())}
+    # consolidation onto rank 0
+    _, opt = train(SCENARIOS["eigen_qr"])
+    opt.consolidate_state_dict(to=0)
+    results["consolidated"] = opt.state_dict() if rank == 0 else None
+    # sharded save at step 3, uninterrupted continuation to step 6
+    config = SCENARIOS["shampoo_adam"]
+    params, opt = train(config, steps=3)
+    save_sharded(opt, os.path.join(out_dir, f"sharded{world}"))
+    if rank == 0:
+        torch.save([p.detach().clone() for p in params],
+                   os.path.join(out_dir, f"sharded{world}", "params.pt"))
+    train(config, steps=3, params=params, optimizer=opt, first_step=4)
+    results["uninterrupted"] = [p.detach().clone() for p in params]
+    if resume_dir is not None:  # resume another world size's checkpoint here
+        params = [torch.nn.Parameter(t) for t in
+                  torch.load(os.path.join(resume_dir, "params.pt"), weights_only=True)]
+        opt = DistributedShampoo(params, **config)
+        load_sharded(opt, resume_dir)
+        train(config, steps=3, params=params, optimizer=opt, first_step=4)
+        results["resumed"] = [p.detach().clone() for p in params]
+    results["ddp"] = _ddp_scenario(rank, world)
+    results["accelerate"] = _accelerate_scenario(rank, world)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
