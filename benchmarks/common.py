@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmarks: the models' parameter shapes, gradients, timing.
+
+Models are built from configs with random weights (no downloads): timm's ResNet-50 and a
+GPT-2-small-sized transformers model (124M parameters). Benchmarks time the optimizer on
+the models' parameters with fixed random gradients, so that every implementation sees
+the same inputs.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from hf_shampoo.distributed import Distributor, greedy_assignment, block_cost  # noqa: F401
+
+
+def build_model(name: str) -> torch.nn.Module:
+    if name == "resnet50":
+        import timm
+
+        return timm.create_model("resnet50", pretrained=False)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config())  # GPT-2 small: 12 layers, 768 wide, 124M
+    raise ValueError(f"unknown model {name!r}; expected 'resnet50' or 'gpt2'")
+
+
+def parameters_with_grads(model: torch.nn.Module, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-2
+    return params
+
+
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {torch.get_num_threads()} thread(s), {gpu}; torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+class SimulatedRank(Distributor):
+    """One rank's share of a ``world``-rank run, computed without communicating: assigns
+    blocks like the data-parallel distributor and computes only ``rank``'s blocks (the
+    all-gather is skipped; its volume is reported instead)."""
+
+    def __init__(self, world: int, rank: int, communication_dtype=torch.float32,
+                 assignment_cost: str = "memory") -> None:
+        super().__init__(communication_dtype)
+        self.world_size, self.rank, self.assignment_cost = world, rank, assignment_cost
+        self.segment_numel = 0
+
+    def assign(self, block_shapes):
+        costs = [block_cost(s, self.assignment_cost) for s in block_shapes]
+        return greedy_assignment(costs, self.world_size)
+
+    def allocate_directions(self, stacks) -> None:
+        super().allocate_directions(stacks)
+        sizes = [0] * self.world_size
+        for s in stacks:
+            sizes[s.rank] += len(s.members) * s.directions[0].numel()
+        self.segment_numel = max(sizes)
+
+    def all_gather_bytes(self) -> int:
+        return self.world_size * self.segment_numel * self.communication_dtype.itemsize
