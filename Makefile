@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo lint clean
+.PHONY: venv test test-fast demo demo-digits lint clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,12 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
+# ResNet-50 fine-tune on 2 CPU processes (torchrun + Accelerate), a few minutes.
 demo: venv
+	PY=$(PY) sh examples/demo.sh
+
+# The single-process MLP on scikit-learn's digits, under a minute.
+demo-digits: venv
 	$(PY) examples/train_digits.py
 
 lint: venv

@@ -7,9 +7,9 @@ all-gathers the updates once per step. The script prints the loss, each rank's s
 the optimizer state, and checks at the end that every rank holds the same parameters.
 
     # one machine, two CPU processes (gloo):
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/ddp_train.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 examples/ddp_train.py
     # one machine, 8 GPUs (NCCL):
-    torchrun --nproc_per_node 8 examples/ddp_train.py
+    torchrun --standalone --nproc_per_node 8 examples/ddp_train.py
     # two machines with 8 GPUs each (run on both, node_rank 0 and 1):
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 \\
         --nproc_per_node 8 examples/ddp_train.py

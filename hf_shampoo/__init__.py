@@ -2,10 +2,18 @@
 
 ``DistributedShampoo`` is the optimizer (SPEC §7 keywords); ``ShampooNumericalError`` is
 raised when a factor matrix becomes non-finite or its eigendecomposition keeps failing.
+Importing the package registers the optimizer with transformers
+(``TrainingArguments(optim="distributed_shampoo")``) and timm (``opt="shampoo"``) as soon
+as those libraries load, without importing either itself.
 """
 
+from .integrations.timm import register_on_import as _register_timm
+from .integrations.transformers import register_on_import as _register_transformers
 from .optimizer import DistributedShampoo
 from .stack import ShampooNumericalError
 
 __all__ = ["DistributedShampoo", "ShampooNumericalError"]
 __version__ = "0.1.0"
+
+_register_timm()  # timm: opt="shampoo" / "soap" as soon as timm.optim is imported
+_register_transformers()  # transformers: optim="distributed_shampoo" once it is imported

@@ -1,0 +1,411 @@
+"""Module rules: walk a model and map its parameters to ``DistributedShampoo`` group configs.
+
+``param_groups(model, preset=...)`` gives every trainable parameter (tied weights once, under
+their first name) a role from the module that owns it, and each role a configuration:
+
+- embedding tables (``nn.Embedding``) and vocabulary-sized weights (e.g. ``lm_head``) are
+  not Kronecker-preconditioned along the vocabulary dim (``inverse_exponent_override``
+  ``{2: {d: 0}}``; a table small enough to be merged into one dim gets the diagonal method);
+- biases, norm weights and other vectors use the grafting method alone
+  (``preconditioner="diagonal"``);
+- convolution kernels and matrices get full Shampoo; kernels are merged by SPEC §1.
+
+Presets bundle these rules (``"transformer"``, ``"cnn"``, ``"none"``); ``overrides`` map
+glob patterns over parameter or module names to keywords. ``describe(optimizer)`` prints the
+result per parameter: shape, blocks, preconditioner, owning rank. Only the public interface
+of ``DistributedShampoo`` is used.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..blocking import merged_shape
+from ..config import DEFAULTS, GLOBAL_KEYS, validate_group
+from ..optimizer import DistributedShampoo
+
+# Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
+# timm's LayerNorm2d) count as well.
+NORM_TYPES: tuple[type, ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
+    nn.LocalResponseNorm,
+) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+EMBEDDING_TYPES: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
+
+ROLES = ("bias", "norm", "embedding", "vector", "vocab", "conv", "matrix")
+
+# Trainer's rule for parameters without weight decay (transformers 5.x
+# ``Trainer.get_decay_parameter_names``): inside an ``nn.LayerNorm``, or a name matching these.
+HF_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One trainable parameter as the model walk sees it."""
+
+    name: str  # first name (as ``named_parameters()`` reports it)
+    aliases: tuple[str, ...]  # every name, the first included (tied weights have several)
+    module_names: tuple[str, ...]  # names of the modules that own it directly
+    modules: tuple[nn.Module, ...]
+    param: Tensor
+    role: str
+    vocab_dims: tuple[int, ...] = ()  # dims of vocabulary size (embedding / vocab roles)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Which roles get which configuration, and which parameters are exempt from decay."""
+
+    name: str
+    diagonal_roles: frozenset[str]
+    vocab_rule: bool  # look for vocabulary-sized dims beyond embedding tables
+    no_decay: Callable[[ParamInfo], bool]
+
+
+def hf_no_decay(info: ParamInfo) -> bool:
+    """Transformers' Trainer rule: no decay inside ``nn.LayerNorm`` or for bias/norm names."""
+    if any(isinstance(m, nn.LayerNorm) for m in info.modules):
+        return True
+    patterns = [re.compile(p) for p in HF_NO_DECAY_PATTERNS]
+    return any(p.search(info.name.lower()) for p in patterns)
+
+
+def vector_no_decay(info: ParamInfo) -> bool:
+    """timm's rule: no decay for biases, norm weights and every other tensor of ndim <= 1."""
+    return info.param.ndim <= 1 or info.role in ("bias", "norm")
+
+
+PRESETS: dict[str, Preset] = {
+    "transformer": Preset(
+        "transformer", frozenset({"bias", "norm", "vector"}), True, hf_no_decay
+    ),
+    "cnn": Preset("cnn", frozenset({"bias", "norm", "vector"}), False, vector_no_decay),
+    "none": Preset("none", frozenset(), False, lambda info: False),
+}
+
+
+# ---------------------------------------------------------------------- model walk
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, NORM_TYPES) or "norm" in type(module).__name__.lower()
+
+
+def guess_vocab_size(model: nn.Module) -> int | None:
+    """``model.config.vocab_size`` when there is one, else the largest embedding table."""
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    if isinstance(size, int) and size > 1:
+        return size
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, EMBEDDING_TYPES)]
+    return max(sizes) if sizes else None
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The output projection of a transformers model (``lm_head``), if it says so."""
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        module = getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    return module if isinstance(module, nn.Module) else None
+
+
+def _role(
+    leaf: str,
+    param: Tensor,
+    modules: list[nn.Module],
+    vocab_size: int | None,
+    vocab_modules: set[int] | None,
+):
+    if leaf == "bias":
+        return "bias", ()
+    if any(_is_norm(m) for m in modules):
+        return "norm", ()
+    if any(isinstance(m, EMBEDDING_TYPES) for m in modules) and param.ndim == 2:
+        return "embedding", (0,)
+    if sum(d > 1 for d in param.shape) <= 1:
+        return "vector", ()
+    # A transformers model names its vocabulary projection; elsewhere, match the size.
+    owned = vocab_modules is None or any(id(m) in vocab_modules for m in modules)
+    if vocab_size is not None and param.ndim == 2 and vocab_size in param.shape and owned:
+        return "vocab", tuple(j for j, d in enumerate(param.shape) if d == vocab_size)
+    return ("conv", ()) if param.ndim >= 3 else ("matrix", ())
+
+
+def walk(model: nn.Module, vocab_size: int | None = None) -> list[ParamInfo]:
+    """Every trainable parameter once (tied weights under their first name), with its role.
+
+    ``vocab_size`` enables the vocabulary rule for weights that are not embedding tables
+    (e.g. an untied ``lm_head``); pass ``guess_vocab_size(model)`` for that. In a
+    transformers model only ``get_output_embeddings()`` is vocabulary-sized (a hidden size
+    may equal the vocabulary size by chance); in other models every 2-D weight with a dim of
+    that size is.
+    """
+    output = _output_embeddings(model)
+    vocab_modules = None if output is None else {id(output)}
+    owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            full = f"{module_name}.{leaf}" if module_name else leaf
+            owners.setdefault(id(param), []).append((full, module_name, module))
+    infos = []
+    for name, param in model.named_parameters():  # deduplicated: tied weights once
+        if not param.requires_grad:
+            continue
+        entries = owners.get(id(param), [(name, name.rpartition(".")[0], model)])
+        aliases = tuple(dict.fromkeys([name] + [full for full, _, _ in entries]))
+        modules = [m for _, _, m in entries]
+        role, vocab_dims = _role(
+            name.rpartition(".")[2], param, modules, vocab_size, vocab_modules
+        )
+        infos.append(
+            ParamInfo(
+                name=name,
+                aliases=aliases,
+                module_names=tuple(dict.fromkeys(mn for _, mn, _ in entries)),
+                modules=tuple(modules),
+                param=param,
+                role=role,
+                vocab_dims=vocab_dims,
+            )
+        )
+    return infos
+
+
+# ---------------------------------------------------------------------- rules → groups
+def _matches(pattern: str, info: ParamInfo) -> bool:
+    """Glob over parameter names and owning module names; ``re:`` prefixes a regex."""
+    names = info.aliases + tuple(n for n in info.module_names if n)
+    if pattern.startswith("re:"):
+        regex = re.compile(pattern[3:])
+        return any(regex.search(n) for n in names)
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def check_override(pattern: str, keywords: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` if ``keywords`` cannot configure a parameter group."""
+    for key in keywords:
+        if key in GLOBAL_KEYS:
+            raise ValueError(
+                f"hf_shampoo: override {pattern!r} sets {key!r}, which applies to the whole "
+                "optimizer; set it as an optimizer keyword instead"
+            )
+        if key not in DEFAULTS:
+            raise ValueError(
+                f"hf_shampoo: override {pattern!r} has unknown keyword {key!r}; valid keywords "
+                f"are {', '.join(k for k in DEFAULTS if k not in GLOBAL_KEYS)}"
+            )
+    group = {**DEFAULTS, **keywords}
+    if isinstance(group["betas"], list):
+        group["betas"] = tuple(group["betas"])
+    try:
+        validate_group(group)
+    except ValueError as error:
+        raise ValueError(f"hf_shampoo: override {pattern!r}: {error}") from None
+
+
+def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]) -> dict:
+    """The preset's keywords for one parameter, given the keywords that will apply to it."""
+    if info.role in preset.diagonal_roles:
+        return _diagonal(effective)
+    if info.role == "embedding" or (info.role == "vocab" and preset.vocab_rule):
+        merged = merged_shape(info.param.shape, effective["max_preconditioner_dim"])
+        if len(merged) != info.param.ndim:  # small table merged into one dim: no vocab factor
+            return _diagonal(effective)
+        return {"inverse_exponent_override": {2: {d: 0 for d in info.vocab_dims}}}
+    return {}
+
+
+def _diagonal(effective: Mapping[str, Any]) -> dict:
+    keywords: dict[str, Any] = {"preconditioner": "diagonal"}
+    if effective.get("grafting") is None:  # e.g. SOAP without grafting: Adam for vectors
+        keywords["grafting"] = "adam"
+    return keywords
+
+
+def _group_key(keywords: Mapping[str, Any]) -> str:
+    return repr(sorted(keywords.items()))
+
+
+def param_groups(
+    model: nn.Module,
+    preset: str | Preset = "transformer",
+    overrides: Mapping[str, Mapping[str, Any]] | Iterable[tuple[str, Mapping]] | None = None,
+    *,
+    weight_decay: float = 0.0,
+    decay_parameter_names: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    vocab_size: int | None = None,
+) -> list[dict[str, Any]]:
+    """Named parameter groups for ``DistributedShampoo`` (``params`` as ``(name, tensor)``).
+
+    ``preset`` picks the rules (see the module docstring); ``overrides`` maps patterns to
+    keywords, applied in order after the preset, a later pattern winning (a pattern that
+    matches nothing raises). ``weight_decay`` goes to every parameter not exempt from decay:
+    those in ``decay_parameter_names`` when given (e.g. from the Trainer), else the
+    preset's rule; overrides may still set ``weight_decay``. ``defaults`` are the
+    optimizer-level keywords (needed to decide how a vocabulary-sized table is blocked);
+    ``vocab_size`` defaults to ``guess_vocab_size(model)`` when the preset wants it.
+    """
+    if isinstance(preset, str) and preset not in PRESETS:
+        raise ValueError(f"hf_shampoo: unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    rules = PRESETS[preset] if isinstance(preset, str) else preset
+    base = {**DEFAULTS, **(defaults or {})}
+    override_items = list(overrides.items() if isinstance(overrides, Mapping) else overrides or [])
+    for pattern, keywords in override_items:
+        check_override(pattern, keywords)
+    if vocab_size is None and rules.vocab_rule:
+        vocab_size = guess_vocab_size(model)
+    decay_names = set(decay_parameter_names) if decay_parameter_names is not None else None
+
+    infos = walk(model, vocab_size if rules.vocab_rule else None)
+    used = [False] * len(override_items)
+    groups: dict[str, dict[str, Any]] = {}
+    for info in infos:
+        user: dict[str, Any] = {}
+        for k, (pattern, keywords) in enumerate(override_items):
+            if _matches(pattern, info):
+                user.update(keywords)
+                used[k] = True
+        exempt = info.name not in decay_names if decay_names is not None else rules.no_decay(info)
+        keywords = {"weight_decay": 0.0 if exempt else weight_decay}
+        keywords.update(_role_keywords(info, rules, {**base, **user}))
+        keywords.update(user)
+        key = _group_key(keywords)
+        if key not in groups:
+            groups[key] = {"params": [], **keywords}
+        groups[key]["params"].append((info.name, info.param))
+    unused = [pattern for (pattern, _), hit in zip(override_items, used) if not hit]
+    if unused:
+        examples = ", ".join(info.name for info in infos[:4])
+        raise ValueError(
+            f"hf_shampoo: override pattern(s) {', '.join(map(repr, unused))} matched no "
+            f"parameter or module name (names look like: {examples}, ...)"
+        )
+    return list(groups.values())
+
+
+def make_optimizer(
+    model: nn.Module,
+    preset: str | Preset = "transformer",
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    decay_parameter_names: Iterable[str] | None = None,
+    vocab_size: int | None = None,
+    **shampoo_kwargs: Any,
+) -> DistributedShampoo:
+    """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in SPEC §7.
+
+    ``weight_decay`` among them applies to the decayed parameters only.
+    """
+    weight_decay = shampoo_kwargs.pop("weight_decay", 0.0)
+    groups = param_groups(
+        model,
+        preset,
+        overrides,
+        weight_decay=weight_decay,
+        decay_parameter_names=decay_parameter_names,
+        defaults=shampoo_kwargs,
+        vocab_size=vocab_size,
+    )
+    return DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+
+
+# ---------------------------------------------------------------------- describe
+def _preconditioner_label(group: Mapping[str, Any], order: int) -> str:
+    kind = group["preconditioner"]
+    override = (group.get("inverse_exponent_override") or {}).get(order)
+    if kind != "diagonal" and isinstance(override, dict):
+        off = [str(d) for d, e in sorted(override.items()) if e == 0]
+        if off:
+            kind += f" (dim {','.join(off)} off)"
+    return kind
+
+
+def _blocks_label(shapes: list[tuple[int, ...]]) -> str:
+    counts: dict[tuple[int, ...], int] = {}
+    for shape in shapes:
+        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
+    return " + ".join(f"{n}x{tuple(s)}" for s, n in counts.items())
+
+
+def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
+    """One row per parameter: name, shape, blocks, preconditioner, grafting, weight decay,
+    owning rank(s). Built from ``optimizer.describe_blocks()`` and ``param_groups``."""
+    from .accelerate import find_shampoo
+
+    shampoo = find_shampoo(optimizer)
+    if shampoo is None:
+        raise TypeError(f"describe: not a DistributedShampoo (got {type(optimizer).__name__})")
+    owner: list[tuple[dict, Tensor]] = [
+        (group, param) for group in shampoo.param_groups for param in group["params"]
+    ]
+    rows: dict[int, dict[str, Any]] = {}
+    for block in shampoo.describe_blocks():
+        index = block["param_index"]
+        group, param = owner[index]
+        row = rows.setdefault(
+            index,
+            {
+                "name": block["name"],
+                "shape": tuple(param.shape),
+                "block_shapes": [],
+                "ranks": set(),
+                "preconditioner": _preconditioner_label(group, len(block["shape"])),
+                "grafting": group["grafting"] or "-",
+                "weight_decay": group["weight_decay"],
+            },
+        )
+        row["block_shapes"].append(tuple(block["shape"]))
+        row["ranks"].add(block["rank"])
+    out = []
+    for index in sorted(rows):
+        row = rows[index]
+        row["blocks"] = _blocks_label(row["block_shapes"])
+        row["rank"] = ",".join(str(r) for r in sorted(row.pop("ranks")))
+        out.append(row)
+    return out
+
+
+def describe(optimizer: Any) -> str:
+    """A table of every parameter: name, shape, blocks, preconditioner, grafting, weight
+    decay and owning rank, then the number of blocks and their elements per rank."""
+    rows = describe_rows(optimizer)
+    header = ("name", "shape", "blocks", "preconditioner", "grafting", "wd", "rank")
+    table = [header] + [
+        (
+            r["name"],
+            str(r["shape"]),
+            r["blocks"],
+            r["preconditioner"],
+            r["grafting"],
+            f"{r['weight_decay']:g}",
+            r["rank"],
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    from .accelerate import find_shampoo
+
+    blocks = find_shampoo(optimizer).describe_blocks()
+    per_rank: dict[int, list[int]] = {}
+    for block in blocks:
+        count = per_rank.setdefault(block["rank"], [0, 0])
+        count[0] += 1
+        count[1] += int(torch.Size(block["shape"]).numel())
+    lines.append(
+        f"{len(rows)} parameters, {len(blocks)} blocks; per rank: "
+        + ", ".join(f"rank {r}: {n} blocks / {e} elements" for r, (n, e) in sorted(per_rank.items()))
+    )
+    return "\n".join(lines)
+

@@ -1,0 +1,299 @@
+"""timm adapter: the optimizer names ``"shampoo"`` and ``"soap"`` in timm's registry.
+
+After ``register()`` (which ``import hf_shampoo`` arranges), ``timm.optim.create_optimizer_v2(
+model, opt="shampoo")`` and timm's ``train.py --device-modules hf_shampoo --opt shampoo`` build
+a ``DistributedShampoo`` from timm's parameter groups: no weight decay on biases and norms,
+layer-decay ``lr_scale`` honoured, and biases / norm weights (tensors with at most one dim
+larger than 1) preconditioned by the grafting method alone (``preconditioner="diagonal"``).
+Defaults are the AdamW migration of the README. timm itself is imported only when needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from ..optimizer import DistributedShampoo
+
+# timm keeps only the part of `opt` after its last underscore ("lookahead_shampoo" is
+# Lookahead around "shampoo"), so these names must not contain one.
+TIMM_OPTIMIZER_NAMES = ("shampoo", "soap")
+# The registry (OptimInfo, default_registry) arrived in timm 1.0.12.
+MIN_TIMM_VERSION = "1.0.12"
+_FACTORY_MODULE = "timm.optim._optim_factory"
+
+# AdamW's defaults in torch and timm; the migration keeps them (README "Migrating from AdamW").
+ADAMW_LR = 1e-3
+ADAMW_BETAS = (0.9, 0.999)
+ADAMW_EPS = 1e-8
+
+
+# ---------------------------------------------------------------------- factories
+def create_shampoo(
+    params: Iterable[Any],
+    lr: float | None = ADAMW_LR,
+    weight_decay: float = 0.0,
+    betas: Iterable[float] = ADAMW_BETAS,
+    eps: float | None = None,
+    foreach: bool | None = None,
+    *,
+    diagonal_1d: bool = True,
+    apply_lr_scale: bool = True,
+    **kwargs: Any,
+) -> DistributedShampoo:
+    """timm's ``opt="shampoo"``: Adam-grafted Shampoo, AdamW's hyperparameters.
+
+    ``lr``, ``betas`` and ``weight_decay`` keep their AdamW meaning (decoupled decay);
+    ``eps`` (timm's ``--opt-eps``) is Adam's epsilon, i.e. ``grafting_epsilon``, and
+    Shampoo's own ``epsilon`` is 1e-12. ``foreach`` is accepted and ignored. Any other
+    ``DistributedShampoo`` keyword (``precondition_frequency=...``) passes through, and wins
+    over these defaults. See ``timm_param_groups`` for ``diagonal_1d`` / ``apply_lr_scale``.
+    """
+    del foreach  # the stacked implementation is always multi-tensor
+    betas = tuple(betas)
+    kwargs.setdefault("epsilon", 1e-12)
+    kwargs.setdefault("grafting", "adam")
+    kwargs.setdefault("grafting_beta2", betas[1])
+    kwargs.setdefault("grafting_epsilon", ADAMW_EPS if eps is None else eps)
+    kwargs.setdefault("weight_decay_type", "decoupled")
+    return _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
+
+
+def create_soap(
+    params: Iterable[Any],
+    lr: float | None = ADAMW_LR,
+    weight_decay: float = 0.0,
+    betas: Iterable[float] = ADAMW_BETAS,
+    eps: float | None = None,
+    foreach: bool | None = None,
+    *,
+    diagonal_1d: bool = True,
+    apply_lr_scale: bool = True,
+    **kwargs: Any,
+) -> DistributedShampoo:
+    """timm's ``opt="soap"``: eigenvalue-corrected Shampoo (SOAP, SPEC §3), treated like Adam.
+
+    ``eps`` is the epsilon of the corrected second moment (``epsilon``, default 1e-8); no
+    grafting for preconditioned tensors. The diagonal groups (biases, norms) take plain Adam
+    steps with the same ``betas[1]`` and ``eps``.
+    """
+    del foreach
+    betas = tuple(betas)
+    eps = ADAMW_EPS if eps is None else eps
+    kwargs.setdefault("preconditioner", "eigenvalue_corrected")
+    kwargs.setdefault("epsilon", eps)
+    kwargs.setdefault("grafting_beta2", betas[1])
+    kwargs.setdefault("grafting_epsilon", eps)
+    kwargs.setdefault("weight_decay_type", "decoupled")
+    return _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
+
+
+def _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs):
+    valid = [name for name in inspect.signature(DistributedShampoo).parameters if name != "params"]
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"DistributedShampoo (timm): unknown keyword(s) {', '.join(map(repr, unknown))}; "
+            f"valid keywords are {', '.join(valid)}, and timm's eps, foreach, diagonal_1d, "
+            "apply_lr_scale"
+        )
+    lr = ADAMW_LR if lr is None else lr
+    # A tensor without its own step size has none to be grafted onto: Adam for those groups.
+    diagonal_grafting = kwargs.get("grafting") or "adam"
+    groups = timm_param_groups(
+        params,
+        lr=lr,
+        diagonal_1d=diagonal_1d,
+        apply_lr_scale=apply_lr_scale,
+        diagonal_grafting=diagonal_grafting,
+    )
+    return DistributedShampoo(groups, lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
+
+
+# ---------------------------------------------------------------------- parameter groups
+def is_vector_like(param: Tensor) -> bool:
+    """At most one dim larger than 1: biases, norm weights, (1, 1, C) layer scales, tokens."""
+    return sum(size > 1 for size in param.shape) <= 1
+
+
+def timm_param_groups(
+    params: Iterable[Any],
+    *,
+    lr: float = ADAMW_LR,
+    diagonal_1d: bool = True,
+    apply_lr_scale: bool = True,
+    diagonal_grafting: str = "adam",
+) -> list[dict[str, Any]]:
+    """timm's parameter groups, made ready for ``DistributedShampoo``.
+
+    - ``diagonal_1d``: every group is split in two, its matrices / conv kernels first and
+      then its vector-like tensors (``is_vector_like``) with ``preconditioner="diagonal"``:
+      a full-matrix factor for a bias buys little and costs ``d²`` memory and ``d³`` work.
+      A group that already names a ``preconditioner`` is left whole.
+    - ``use_fallback`` groups (timm's ``fallback_list``, e.g. Muon's AdamW fallback) become
+      diagonal groups; the key itself is dropped.
+    - ``apply_lr_scale``: a group with timm's layer-decay ``lr_scale`` gets
+      ``lr = base_lr * lr_scale`` now and ``initial_lr = base_lr``. timm's schedulers read
+      ``initial_lr`` as the base and multiply by ``lr_scale`` themselves, so the scale is
+      applied exactly once with a timm scheduler and also without any scheduler. (torch's
+      schedulers also read ``initial_lr`` and know no ``lr_scale``: with them the scale is
+      lost, as it is for timm's own optimizers.)
+    """
+    out = []
+    for group in _as_groups(params):
+        group = dict(group)
+        if group.pop("use_fallback", False):
+            group.setdefault("preconditioner", "diagonal")
+        if apply_lr_scale and "lr_scale" in group and "initial_lr" not in group:
+            base = group.get("lr", lr)
+            group["initial_lr"] = base
+            group["lr"] = base * group["lr_scale"]
+        if group.get("preconditioner") == "diagonal":
+            group.setdefault("grafting", diagonal_grafting)
+        params = group["params"]
+        group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        vector_like = [is_vector_like(_tensor(p)) for p in group["params"]]
+        if not diagonal_1d or "preconditioner" in group or not any(vector_like):
+            out.append(group)
+            continue
+        matrices = [i for i, vector in enumerate(vector_like) if not vector]
+        vectors = [i for i, vector in enumerate(vector_like) if vector]
+        if matrices:
+            out.append(_subgroup(group, matrices))
+        diagonal = _subgroup(group, vectors)
+        diagonal["preconditioner"] = "diagonal"
+        diagonal.setdefault("grafting", diagonal_grafting)
+        out.append(diagonal)
+    return out
+
+
+def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    if isinstance(params, Tensor):
+        return [{"params": [params]}]
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    return [{"params": params}]
+
+
+def _tensor(param: Any) -> Tensor:
+    return param[1] if isinstance(param, tuple) else param  # torch's (name, tensor) entries
+
+
+def _subgroup(group: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+    sub = dict(group)
+    sub["params"] = [group["params"][i] for i in indices]
+    if group.get("param_names") is not None:
+        sub["param_names"] = [group["param_names"][i] for i in indices]
+    return sub
+
+
+# ---------------------------------------------------------------------- registration
+def _optim_infos(optim_info: type) -> list:
+    common = {"has_eps": True, "has_betas": True, "has_momentum": False}
+    return [
+        optim_info(
+            name="shampoo",
+            opt_class=create_shampoo,
+            description="hf_shampoo DistributedShampoo, Adam grafting, decoupled weight decay",
+            **common,
+        ),
+        optim_info(
+            name="soap",
+            opt_class=create_soap,
+            description="hf_shampoo eigenvalue-corrected Shampoo (SOAP), decoupled weight decay",
+            **common,
+        ),
+    ]
+
+
+def _is_ours(info: Any) -> bool:
+    return getattr(info.opt_class, "__module__", None) == __name__
+
+
+def register(registry: Any = None, force: bool = False) -> bool:
+    """Add ``"shampoo"`` and ``"soap"`` to timm's optimizer registry (idempotent).
+
+    ``registry`` defaults to timm's ``default_registry``. A name that timm (or someone else)
+    already uses for another optimizer is left alone with a warning unless ``force``.
+    Returns False, with no effect, when timm is missing or older than 1.0.12 (no registry).
+    """
+    try:
+        factory = importlib.import_module(_FACTORY_MODULE)
+    except ImportError:
+        return False
+    optim_info = getattr(factory, "OptimInfo", None)
+    registry = registry if registry is not None else getattr(factory, "default_registry", None)
+    if optim_info is None or registry is None:
+        warnings.warn(
+            f"hf_shampoo: timm's optimizer registry needs timm >= {MIN_TIMM_VERSION}; "
+            "'shampoo' is not registered (build hf_shampoo.DistributedShampoo directly)",
+            stacklevel=2,
+        )
+        return False
+    for info in _optim_infos(optim_info):
+        try:
+            existing = registry.get_optimizer_info(info.name)
+        except ValueError:
+            existing = None
+        if existing is not None and _is_ours(existing) and not force:
+            continue
+        if existing is not None and not force:
+            warnings.warn(
+                f"hf_shampoo: timm already has an optimizer named {info.name!r} "
+                f"({existing.opt_class}); leaving it (register(force=True) replaces it)",
+                stacklevel=2,
+            )
+            continue
+        registry.register(info)
+    return True
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: runs ``register()`` right after timm's optimizer factory loads."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _FACTORY_MODULE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            try:
+                register()
+            except Exception as error:  # noqa: BLE001 - never break `import timm`
+                warnings.warn(f"hf_shampoo: could not register with timm: {error}", stacklevel=2)
+
+        loader.exec_module = exec_then_register  # this module's loader instance only
+        return spec
+
+
+def register_on_import() -> None:
+    """Register with timm now if timm's optimizer factory is loaded, else right after it is.
+
+    This keeps ``import hf_shampoo`` from importing timm (about 1.5 s) while still making
+    ``opt="shampoo"`` work whichever of the two is imported first.
+    """
+    if _FACTORY_MODULE in sys.modules:
+        try:
+            register()
+        except Exception as error:  # noqa: BLE001 - never break `import hf_shampoo`
+            warnings.warn(f"hf_shampoo: could not register with timm: {error}", stacklevel=2)
+    elif importlib.util.find_spec("timm") is not None and not any(
+        isinstance(finder, _RegisterOnImport) for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _RegisterOnImport())

@@ -1,0 +1,484 @@
+"""Tests of hf_shampoo/integrations/transformers.py and hf_shampoo/run.py with tiny models on CPU.
+
+Covers registration by name (Python, command line, lazily at import), the AdamW-migration
+defaults, ``optim_args`` parsing and early errors, the stable routes (``ShampooTrainer``,
+``optimizer_cls_and_kwargs``), checkpoints resumed under 1 and 2 ranks (bitwise equal to the
+uninterrupted run), the script launcher and the example.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    Trainer,
+    TrainerControl,
+    TrainingArguments,
+)
+
+from hf_shampoo import DistributedShampoo
+from hf_shampoo.integrations import transformers as hft
+from hf_shampoo.integrations.modules import describe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (fixed ports collide with concurrent runs)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+VOCAB = 64
+
+# An HF-style training script that knows nothing of hf_shampoo: it trains a tiny GPT-2 to
+# max_steps saving at resume_step, then resumes a fresh model from that checkpoint, and has
+# rank 0 report both runs' per-step losses, whether the final parameters are equal, which
+# blocks exist and which the saved optimizer.pt holds (loaded with weights_only=True).
+WORKER = textwrap.dedent(
+    '''
+    import copy, json, os
+    from dataclasses import dataclass, field
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer
+    from transformers import TrainingArguments
+
+
+    @dataclass
+    class ScriptArguments:
+        result: str = field(default="result.json")
+        resume_step: int = field(default=4)
+
+
+    def make_model():
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config)
+
+
+    def main():
+        parser = HfArgumentParser((ScriptArguments, TrainingArguments))
+        script, args = parser.parse_args_into_dataclasses()
+        starts = torch.randint(0, 64, (96, 1), generator=torch.Generator().manual_seed(1))
+        ids = (starts + torch.arange(16)) % 64  # counting sequences: learnable in a few steps
+        data = [{"input_ids": row, "labels": row} for row in ids]
+        trainer = Trainer(model=make_model(), args=args, train_dataset=data)
+        trainer.train()
+        shampoo = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        blocks = shampoo.describe_blocks()
+        losses_a = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        params_a = [p.detach().clone() for p in trainer.model.parameters()]
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{script.resume_step}")
+        saved = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
+        saved_blocks = sorted({(int(i), k.split(".")[0]) for i, e in saved["state"].items()
+                               for k in e})
+
+        args_b = copy.deepcopy(args)
+        args_b.output_dir = args.output_dir + "-resumed"
+        resumed = Trainer(model=make_model(), args=args_b, train_dataset=data)
+        resumed.train(resume_from_checkpoint=checkpoint)
+        losses_b = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
+        same = all(torch.equal(a, b.detach()) for a, b in zip(params_a, resumed.model.parameters()))
+        if trainer.args.process_index == 0:
+            with open(script.result, "w") as f:
+                json.dump({
+                    "optimizer": type(shampoo).__name__,
+                    "world_size": trainer.args.world_size,
+                    "ranks": sorted({b["rank"] for b in blocks}),
+                    "blocks": sorted({(b["param_index"], f"block_{b['block']}") for b in blocks}),
+                    "saved_blocks": saved_blocks,
+                    "losses_a": losses_a,
+                    "losses_b": losses_b,
+                    "params_equal": same,
+                    "callbacks": [type(c).__name__ for c in trainer.callback_handler.callbacks],
+                }, f)
+
+
+    if __name__ == "__main__":
+        main()
+    '''
+)
+
+
+def run(cmd: list[str], timeout: float = 180, cwd: Path | None = None) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    return output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert hft.register()
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+        bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def training_args(tmp_path, **kwargs) -> TrainingArguments:
+    base = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": [], "max_steps": 3,
+                "per_device_train_batch_size": 2, "save_strategy": "no", "disable_tqdm": True}
+    return TrainingArguments(**{**base, **kwargs})
+
+
+def dataset(n: int = 12) -> list[dict]:
+    ids = torch.randint(0, VOCAB, (n, 16), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def shampoo_of(trainer) -> DistributedShampoo:
+    optimizer = trainer.create_optimizer()
+    assert isinstance(optimizer, DistributedShampoo)
+    return optimizer
+
+
+def group_of(optimizer: DistributedShampoo, name: str) -> dict:
+    return next(g for g in optimizer.param_groups if name in g["param_names"])
+
+
+# ---------------------------------------------------------------------- registration
+def test_import_is_lazy_and_registers_when_transformers_loads(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import hf_shampoo
+        from hf_shampoo.integrations.transformers import register_on_import
+        register_on_import()  # what `import hf_shampoo` calls
+        assert "transformers" not in sys.modules
+        from transformers import HfArgumentParser, TrainingArguments
+        args = TrainingArguments(output_dir={str(tmp_path)!r}, optim="distributed_shampoo",
+                                 use_cpu=True, report_to=[])
+        (cli,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            ["--optim", "distributed_shampoo", "--optim_args", "precondition_frequency=5",
+             "--output_dir", {str(tmp_path)!r}, "--use_cpu"])
+        assert cli.optim == args.optim == "distributed_shampoo", cli.optim
+        assert "transformers.trainer" not in sys.modules
+        from transformers import Trainer
+        import transformers.trainer as trainer_module
+        names = [c.__name__ for c in trainer_module.DEFAULT_CALLBACKS]
+        assert names == ["DefaultFlowCallback", "ShampooCheckpointCallback"], names
+        print("LAZY-OK")
+        """
+    )
+    assert "LAZY-OK" in run([sys.executable, "-c", script])
+
+
+def test_register_is_idempotent():
+    import transformers.trainer as trainer_module
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
+    from transformers.training_args import OptimizerNames
+
+    before = len(OptimizerNames)
+    assert hft.register() and hft.register()
+    assert len(OptimizerNames) == before
+    assert OptimizerNames("distributed_shampoo") is OptimizerNames.DISTRIBUTED_SHAMPOO
+    assert OptimizerNames.DISTRIBUTED_SHAMPOO in _OPTIMIZER_HANDLERS
+    callback = hft.ShampooCheckpointCallback
+    assert trainer_module.DEFAULT_CALLBACKS.count(callback) == 1
+    assert hft.is_registered()
+
+
+def test_version_guard(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(hft, "_version_ok", [])
+    monkeypatch.setattr(transformers, "__version__", "6.1.0")
+    with pytest.warns(UserWarning, match="outside the versions"):
+        assert hft.register() is False
+    monkeypatch.setattr(hft, "_version_ok", [])
+    monkeypatch.setattr(transformers, "__version__", "5.23.0")
+    assert hft.register() is True
+
+
+def test_transformers_4x_route_wraps_get_optimizer_cls_and_kwargs(monkeypatch, tmp_path):
+    """Without 5.x's handler registry, the Trainer's static method is wrapped instead."""
+
+    class OldTrainer:
+        @staticmethod
+        def get_optimizer_cls_and_kwargs(args, model=None):
+            return torch.optim.SGD, {"lr": args.learning_rate}
+
+    module = types.SimpleNamespace(DEFAULT_CALLBACKS=[], Trainer=OldTrainer)
+    monkeypatch.setitem(sys.modules, "transformers.trainer_optimizer", types.SimpleNamespace())
+    hft._patch_trainer(module)
+    hft._patch_trainer(module)  # idempotent
+    assert module.DEFAULT_CALLBACKS == [hft.ShampooCheckpointCallback]
+    ours = training_args(tmp_path, optim="distributed_shampoo")
+    cls, kwargs = OldTrainer.get_optimizer_cls_and_kwargs(ours, tiny_gpt2())
+    assert cls is DistributedShampoo and "params" in kwargs
+    cls, _ = OldTrainer.get_optimizer_cls_and_kwargs(training_args(tmp_path, optim="sgd"))
+    assert cls is torch.optim.SGD
+
+
+# ---------------------------------------------------------------------- defaults
+def test_trainer_by_name_uses_adamw_migration_defaults(tmp_path):
+    args = training_args(
+        tmp_path, optim="distributed_shampoo", learning_rate=3e-4, adam_beta1=0.8,
+        adam_beta2=0.99, adam_epsilon=1e-7, weight_decay=0.05,
+    )
+    model = tiny_gpt2()
+    trainer = Trainer(model=model, args=args, train_dataset=dataset())
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names.index("DefaultFlowCallback") < names.index("ShampooCheckpointCallback")
+    optimizer = shampoo_of(trainer)
+    matrix = group_of(optimizer, "transformer.h.0.attn.c_attn.weight")
+    assert matrix["lr"] == 3e-4 and matrix["betas"] == (0.8, 0.99)
+    assert matrix["epsilon"] == 1e-12 and matrix["weight_decay_type"] == "decoupled"
+    assert matrix["grafting"] == "adam" and matrix["grafting_beta2"] == 0.99
+    assert matrix["grafting_epsilon"] == 1e-7
+    assert matrix["precondition_frequency"] == 50 and matrix["max_preconditioner_dim"] == 512
+    assert matrix["start_preconditioning_step"] is None
+    decayed = {n for g in optimizer.param_groups for n in g["param_names"] if g["weight_decay"]}
+    assert all(g["weight_decay"] in (0.0, 0.05) for g in optimizer.param_groups)
+    trainer_decay = set(trainer.get_decay_parameter_names(model))  # lists tied aliases too
+    assert decayed == {n for n, _ in model.named_parameters()} & trainer_decay
+    assert group_of(optimizer, "transformer.ln_f.weight")["preconditioner"] == "diagonal"
+    wte = group_of(optimizer, "transformer.wte.weight")
+    assert wte["inverse_exponent_override"] == {2: {0: 0}}
+    trainer.train()
+    assert optimizer.param_groups[0]["step"] == 3
+
+
+def test_command_line_optim_name_and_args(tmp_path):
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--optim", "distributed_shampoo", "--output_dir", str(tmp_path), "--use_cpu",
+         "--optim_args", "precondition_frequency=5,betas=(0.9;0.95),*.c_fc.*@preconditioner=diagonal",
+         "--report_to", "none"]
+    )
+    optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
+    assert group_of(optimizer, "transformer.h.0.mlp.c_fc.weight")["preconditioner"] == "diagonal"
+    matrix = group_of(optimizer, "transformer.h.0.attn.c_attn.weight")
+    assert matrix["precondition_frequency"] == 5 and matrix["betas"] == (0.9, 0.95)
+
+
+def test_soap_by_optim_args_switches_grafting_and_epsilon(tmp_path):
+    args = training_args(tmp_path, optim="distributed_shampoo", adam_epsilon=1e-6,
+                         optim_args="preconditioner=eigenvalue_corrected")
+    optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
+    matrix = group_of(optimizer, "transformer.h.0.attn.c_attn.weight")
+    assert matrix["preconditioner"] == "eigenvalue_corrected"
+    assert matrix["grafting"] is None and matrix["epsilon"] == 1e-6
+    norm = group_of(optimizer, "transformer.ln_f.weight")
+    assert norm["preconditioner"] == "diagonal" and norm["grafting"] == "adam"
+
+
+# ---------------------------------------------------------------------- optim_args
+def test_optim_args_are_cast_to_their_types():
+    parsed = hft.parse_optim_args(
+        "lr=0.1,betas=(0.9;0.99),nesterov=true,start_preconditioning_step=none,"
+        "inverse_exponent_override={2:{0:0;1:0.5}},factor_matrix_dtype=float64,grafting=none,"
+        "precondition_frequency=10,communication_dtype=bf16,beta3=0.95,preset=cnn,"
+        "lm_head@max_preconditioner_dim=256"
+    )
+    assert parsed.kwargs == {
+        "lr": 0.1, "betas": (0.9, 0.99), "nesterov": True, "start_preconditioning_step": None,
+        "inverse_exponent_override": {2: {0: 0, 1: 0.5}}, "factor_matrix_dtype": torch.float64,
+        "grafting": None, "precondition_frequency": 10, "communication_dtype": torch.bfloat16,
+        "beta3": 0.95,
+    }
+    assert isinstance(parsed.kwargs["precondition_frequency"], int)
+    assert parsed.preset == "cnn"
+    assert parsed.overrides == {"lm_head": {"max_preconditioner_dim": 256}}
+    # commas inside brackets are fine where transformers does not split first
+    assert hft.parse_optim_args("betas=(0.9,0.9)").kwargs["betas"] == (0.9, 0.9)
+
+
+@pytest.mark.parametrize(
+    "optim_args, message",
+    [
+        ("precondition_freq=5", r"unknown optim_args key 'precondition_freq'.*precondition_frequency"),
+        ("precondition_frequency=0", "precondition_frequency"),
+        ("precondition_frequency=2.5", "expected an integer"),
+        ("grafting=adamw", "grafting"),
+        ("nesterov=maybe", "true or false"),
+        ("betas=(0.9,0.99)", "write ';'"),
+        ("lm_head@lr=-1", "lr"),
+        ("preset=vit", "preset"),
+    ],
+)
+def test_bad_optim_args_fail_when_the_trainer_is_built(tmp_path, optim_args, message):
+    args = training_args(tmp_path, optim="distributed_shampoo", optim_args=optim_args)
+    with pytest.raises(ValueError, match=message):
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+
+
+def test_unknown_key_error_lists_valid_keys():
+    with pytest.raises(ValueError) as error:
+        hft.parse_optim_args("foo=1")
+    for key in ("lr", "betas", "max_preconditioner_dim", "grafting_epsilon", "preset"):
+        assert key in str(error.value)
+
+
+# ---------------------------------------------------------------------- stable routes
+def test_shampoo_trainer_needs_no_registration(tmp_path):
+    args = training_args(tmp_path, optim_args="precondition_frequency=2")  # optim: AdamW default
+    trainer = hft.ShampooTrainer(
+        model=tiny_gpt2(), args=args, train_dataset=dataset(),
+        shampoo_kwargs={"max_preconditioner_dim": 64},
+        module_overrides={"*.attn.*": {"preconditioner": "diagonal"}},
+    )
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names.count("ShampooCheckpointCallback") == 1
+    assert names[-1] == "ShampooCheckpointCallback"  # sees should_save as the others left it
+    optimizer = shampoo_of(trainer)
+    matrix = group_of(optimizer, "transformer.h.0.mlp.c_fc.weight")
+    assert matrix["precondition_frequency"] == 2 and matrix["max_preconditioner_dim"] == 64
+    assert group_of(optimizer, "transformer.h.0.attn.c_attn.weight")["preconditioner"] == "diagonal"
+    trainer.train()
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        hft.ShampooTrainer(model=tiny_gpt2(), args=args, shampoo_kwargs={"precondition_frequency": 0})
+
+
+def test_optimizer_cls_and_kwargs_route(tmp_path):
+    args = training_args(tmp_path, learning_rate=1e-3)
+    model = tiny_gpt2()
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset(),
+        optimizer_cls_and_kwargs=hft.optimizer_cls_and_kwargs(args, model),
+    )
+    optimizer = shampoo_of(trainer)
+    assert "transformer.wte.weight" in describe(optimizer)
+    cls, kwargs = hft.optimizer_cls_and_kwargs(args)  # no model: the Trainer's two groups
+    assert cls is DistributedShampoo and "params" not in kwargs and kwargs["lr"] == 1e-3
+
+
+def test_callback_consolidates_only_before_optimizer_saves(tmp_path):
+    callback = hft.ShampooCheckpointCallback()
+    calls = []
+
+    class Recorder:
+        def consolidate_state_dict(self, to=0):
+            calls.append(to)
+
+    shampoo = DistributedShampoo([torch.nn.Parameter(torch.zeros(2))])
+    shampoo.consolidate_state_dict = Recorder().consolidate_state_dict
+    wrapped = types.SimpleNamespace(optimizer=shampoo)  # as Accelerate wraps it
+    cases = [
+        ({"save_strategy": "steps"}, {"should_save": True}, 1),
+        ({"save_strategy": "steps"}, {"should_save": False}, 0),
+        ({"save_strategy": "steps", "save_only_model": True}, {"should_save": True}, 0),
+        ({"save_strategy": "best", "eval_strategy": "steps", "metric_for_best_model": "loss"},
+         {"should_evaluate": True}, 1),
+    ]
+    for arg_kwargs, control_kwargs, expected in cases:
+        calls.clear()
+        args = training_args(tmp_path, **arg_kwargs)
+        callback.on_step_end(args, None, TrainerControl(**control_kwargs), optimizer=wrapped)
+        assert len(calls) == expected, (arg_kwargs, control_kwargs)
+    calls.clear()
+    callback.on_epoch_end(args, None, TrainerControl(should_save=True), optimizer=torch.optim.SGD(
+        [torch.nn.Parameter(torch.zeros(1))], lr=0.1))  # another optimizer: left alone
+    assert calls == []
+
+
+# ---------------------------------------------------------------------- checkpoints, scripts
+WORKER_ARGS = [
+    "--optim", "distributed_shampoo",
+    "--optim_args", "precondition_frequency=2,max_preconditioner_dim=64",
+    "--use_cpu", "--report_to", "none", "--max_steps", "8", "--save_steps", "4",
+    "--logging_steps", "1", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
+    "--disable_tqdm", "true", "--seed", "7",
+]
+
+
+def check_resume(result_path: Path, world_size: int) -> dict:
+    result = json.loads(result_path.read_text())
+    assert result["optimizer"] == "DistributedShampoo"
+    assert result["world_size"] == world_size
+    assert result["ranks"] == list(range(world_size))
+    assert "ShampooCheckpointCallback" in result["callbacks"]
+    assert result["saved_blocks"] == result["blocks"]  # every rank's blocks in optimizer.pt
+    for step in range(5, 9):  # the resumed steps: the same losses, bit for bit
+        assert result["losses_b"][str(step)] == result["losses_a"][str(step)], step
+    assert result["params_equal"]
+    return result
+
+
+def test_unmodified_script_single_process_resume(tmp_path):
+    (tmp_path / "train.py").write_text(WORKER)
+    run([sys.executable, "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
+         "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
+         *WORKER_ARGS])
+    result = check_resume(tmp_path / "result.json", 1)
+    losses = result["losses_a"]
+    assert losses["8"] < losses["1"]
+
+
+@pytest.mark.slow
+def test_two_ranks_trainer_checkpoint_resumes_exactly(tmp_path):
+    (tmp_path / "train.py").write_text(WORKER)
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
+         "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
+         *WORKER_ARGS])
+    check_resume(tmp_path / "result.json", 2)
+    # the consolidated file also loads into one process (another world size)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                       n_positions=16, bos_token_id=0, eos_token_id=0))
+    args = training_args(tmp_path, optim="distributed_shampoo",
+                         optim_args="precondition_frequency=2,max_preconditioner_dim=64")
+    optimizer = hft.create_optimizer(model, args)
+    saved = torch.load(tmp_path / "out" / "checkpoint-4" / "optimizer.pt", weights_only=True)
+    optimizer.load_state_dict(saved)
+    assert optimizer.state_dict()["state"].keys() == saved["state"].keys()
+
+
+def test_run_module_and_script_modes(tmp_path, monkeypatch, capsys):
+    from hf_shampoo import run as launcher
+
+    (tmp_path / "probe_module.py").write_text(
+        "import sys\nRESULT = list(sys.argv)\nprint('MODULE', __name__, sys.argv[1:])\n"
+    )
+    (tmp_path / "probe.py").write_text("import sys\nprint('SCRIPT', __name__, sys.argv)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["x"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    launcher.main(["-m", "probe_module", "--optim", "distributed_shampoo"])
+    launcher.main([str(tmp_path / "probe.py"), "a", "--b"])
+    out = capsys.readouterr().out
+    assert "MODULE __main__ ['--optim', 'distributed_shampoo']" in out
+    assert f"SCRIPT __main__ [{str(tmp_path / 'probe.py')!r}, 'a', '--b']" in out
+    with pytest.raises(SystemExit):
+        launcher.main([str(tmp_path / "missing.py")])
+
+
+def test_example_prints_decreasing_loss():
+    out = run([sys.executable, "examples/finetune_transformers.py", "--steps", "16",
+               "--log-every", "4", "--batch-size", "8", "--block-size", "32", "--describe",
+               "--optim-args", "precondition_frequency=4"])
+    line = next(l for l in out.splitlines() if l.startswith("distributed_shampoo: training loss"))
+    first, last = (float(x) for x in line.split("training loss ")[1].split(";")[0].split(" -> "))
+    assert last < first
+    assert "shampoo (dim 0 off)" in out
+
+
+def test_save_on_each_node_consolidates_onto_each_nodes_first_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = types.SimpleNamespace(save_on_each_node=True, world_size=6)
+    assert hft.save_ranks(args) == [0, 2, 4]
+    args.save_on_each_node = False
+    assert hft.save_ranks(args) == [0]
