@@ -21,7 +21,13 @@ from .config import LAYOUT_KEYS
 _KEY = re.compile(r"^block_(\d+)\.(\w+)$")
 
 
-def pack(param_groups: list[dict], owned_stacks: list) -> dict[str, Any]:
+def pack(
+    param_groups: list[dict], owned_stacks: list, rank: int = 0, world_size: int = 1,
+    complete: bool = True,
+) -> dict[str, Any]:
+    """The state dict of ``owned_stacks``. ``"shard"`` records whose blocks it holds: a
+    state that is not ``complete`` (one rank's blocks of a data-parallel run) is refused
+    by other ranks, so that a rank-0-only save never silently resumes without state."""
     groups, index = [], 0
     for group in param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}
@@ -36,7 +42,8 @@ def pack(param_groups: list[dict], owned_stacks: list) -> dict[str, Any]:
             entry = state.setdefault(block.param_index, {})
             for name, tensor in stack.state.items():
                 entry[f"block_{block.block_index}.{name}"] = tensor[i]
-    return {"state": state, "param_groups": groups}
+    shard = {"rank": rank, "world_size": world_size, "complete": complete}
+    return {"state": state, "param_groups": groups, "shard": shard}
 
 
 def to_cpu(state: dict) -> dict:
@@ -72,10 +79,22 @@ def _refuse(message: str) -> None:
     )
 
 
-def unpack(state_dict: dict[str, Any], param_groups: list[dict], owned_stacks: list) -> None:
+def unpack(
+    state_dict: dict[str, Any], param_groups: list[dict], owned_stacks: list,
+    rank: int = 0, world_size: int = 1,
+) -> None:
     """Validate ``state_dict`` against this optimizer completely, then load it."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         _refuse("expected a dict with 'state' and 'param_groups'")
+    shard = state_dict.get("shard") or {"complete": True}
+    if not shard["complete"] and (shard["rank"], shard["world_size"]) != (rank, world_size):
+        raise ValueError(
+            f"DistributedShampoo.load_state_dict: this state holds only the blocks of rank "
+            f"{shard['rank']} of a {shard['world_size']}-rank run, and this is rank {rank} of "
+            f"{world_size}; loading it would leave this rank's blocks without state. Save "
+            "after optimizer.consolidate_state_dict() (every rank calls it; rank 0's "
+            "state_dict() then holds all blocks), or use hf_shampoo.distributed_checkpoint"
+        )
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     if len(saved_groups) != len(param_groups):
         _refuse(f"it has {len(saved_groups)} parameter groups, this optimizer {len(param_groups)}")

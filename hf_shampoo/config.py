@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "communication_dtype": torch.float32,
     "num_trainers_per_group": -1,
     "assignment_cost": "memory",
+    "refresh_schedule": "all",
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -52,6 +53,9 @@ DISTRIBUTED_MODES = ("auto", "none", "ddp")
 COMMUNICATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How blocks are weighed when spread over ranks (distributed.block_cost).
 ASSIGNMENT_COSTS = ("memory", "compute")
+# "all": every block's amortized computation on the same steps (SPEC §2); "staggered":
+# each block's schedule delayed by its own offset in [0, precondition_frequency).
+REFRESH_SCHEDULES = ("all", "staggered")
 
 # Keywords that describe the whole optimizer, not one group: they must agree across groups.
 GLOBAL_KEYS = ("distributed", "communication_dtype", "num_trainers_per_group", "assignment_cost")
@@ -179,6 +183,7 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_choice("distributed", group["distributed"], DISTRIBUTED_MODES)
     _check_choice("communication_dtype", group["communication_dtype"], COMMUNICATION_DTYPES)
     _check_choice("assignment_cost", group["assignment_cost"], ASSIGNMENT_COSTS)
+    _check_choice("refresh_schedule", group["refresh_schedule"], REFRESH_SCHEDULES)
     n = group["num_trainers_per_group"]
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not (n == -1 or n >= 1):
         _fail("num_trainers_per_group", n, "expected -1 (the whole world) or an integer >= 1")
@@ -203,10 +208,16 @@ def start_step(group: dict[str, Any]) -> int:
     return group["precondition_frequency"] if start is None else int(start)
 
 
-def is_refresh_step(group: dict[str, Any], step: int) -> bool:
-    """SPEC §2: ``(t % f == 0 and t > s) or t == s``."""
-    f, s = group["precondition_frequency"], start_step(group)
-    return (step % f == 0 and step > s) or step == s
+def is_refresh_step(group: dict[str, Any], step: int, offset: int = 0) -> bool:
+    """SPEC §2: ``(t % f == 0 and t > s) or t == s``, with ``t`` the step minus the block's
+    schedule offset (0 unless ``refresh_schedule="staggered"``)."""
+    f, s, t = group["precondition_frequency"], start_step(group), step - offset
+    return (t % f == 0 and t > s) or t == s
+
+
+def is_preconditioning(group: dict[str, Any], step: int, offset: int = 0) -> bool:
+    """Whether a block with this schedule offset is past its start: ``t - offset >= s``."""
+    return step - offset >= start_step(group)
 
 
 def dim_exponents(group: dict[str, Any], order: int) -> list[float]:

@@ -34,6 +34,7 @@ def flatten(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Optimizer state dict → flat ``{key: tensor}`` plus the groups (clones tensors, so
     that each is written alone rather than with the stack it views)."""
     flat: dict[str, Any] = {GROUPS_KEY: _groups_to_bytes(state_dict["param_groups"])}
+    # "shard" is not saved: a sharded checkpoint is complete once every rank wrote its part
     for index, entry in state_dict["state"].items():
         for key, tensor in entry.items():
             flat[f"state.{index}.{key}"] = tensor.detach().clone()

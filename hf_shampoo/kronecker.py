@@ -3,6 +3,8 @@
 A stack is a tensor ``(n, d_1, ..., d_k)`` holding ``n`` same-shape blocks. These functions
 compute every block's factor statistics and apply per-dim matrices to every block in
 batched ``bmm`` calls; 1-D and 2-D blocks, by far the most common, take direct paths.
+Callers on the steady path pass ``out`` / ``scratch`` tensors so that nothing is allocated
+per step; without them, results are allocated.
 """
 
 from __future__ import annotations
@@ -12,32 +14,48 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .linalg import syrk
 
-def unfold(stack: Tensor, dim: int) -> Tensor:
-    """``(n, d_dim, rest)``: block dim ``dim`` (0-based, within the block) to the front."""
+
+def unfold(stack: Tensor, dim: int, scratch: Tensor | None = None) -> Tensor:
+    """``(n, d_dim, rest)``: block dim ``dim`` (0-based, within the block) to the front.
+
+    A view for the first dim; other dims are copied (into ``scratch`` when given).
+    """
     if stack.dim() == 2:  # 1-D blocks
         return stack.unsqueeze(-1)
+    n, d = stack.shape[0], stack.shape[dim + 1]
     if dim == 0:
-        return stack.reshape(stack.shape[0], stack.shape[1], -1)
-    return stack.movedim(dim + 1, 1).reshape(stack.shape[0], stack.shape[dim + 1], -1)
+        return stack.reshape(n, d, -1)
+    moved = stack.movedim(dim + 1, 1)
+    if scratch is None:
+        return moved.reshape(n, d, -1)
+    return scratch.view(moved.shape).copy_(moved).view(n, d, -1)
 
 
 def update_factor(
-    factor: Tensor, stack: Tensor, dim: int, beta2: float, out_of_place: bool = False
+    factor: Tensor,
+    stack: Tensor,
+    dim: int,
+    beta2: float,
+    out_of_place: bool = False,
+    scratch: Tensor | None = None,
 ) -> Tensor:
     """``F = beta2 F + w G_(dim) G_(dim)ᵀ`` with ``w = 1`` if ``beta2 == 1`` else ``1 - beta2``.
 
-    For a 2-D stack this is ``G Gᵀ`` for dim 0 and ``Gᵀ G`` for dim 1 (SPEC §2 line 2).
+    For a 2-D stack this is ``G Gᵀ`` for dim 0 and ``Gᵀ G`` for dim 1 (SPEC §2 line 2); the
+    first and the last dim of any block need no copy, middle dims are unfolded into
+    ``scratch`` (a tensor of the stack's size) when given. The product is computed as a
+    symmetric one (``linalg.syrk``).
     """
     weight = 1.0 if beta2 == 1.0 else 1.0 - beta2
-    if stack.dim() == 3 and dim == 1:
-        left, right = stack.mT, stack
+    if stack.dim() >= 3 and dim == stack.dim() - 2:  # last dim: (n, rest, d), over rest
+        left = stack.reshape(stack.shape[0], -1, stack.shape[-1]).mT
     else:
-        left = unfold(stack, dim)
-        right = left.mT
+        left = unfold(stack, dim, scratch)
     if out_of_place:
-        return torch.baddbmm(factor, left, right, beta=beta2, alpha=weight)
-    return factor.baddbmm_(left, right, beta=beta2, alpha=weight)
+        factor = factor.clone()
+    return syrk(factor, left, beta=beta2, alpha=weight)
 
 
 def mode_product(stack: Tensor, matrix: Tensor, dim: int, transpose: bool = False) -> Tensor:
@@ -56,12 +74,46 @@ def mode_product(stack: Tensor, matrix: Tensor, dim: int, transpose: bool = Fals
 
 
 def multi_mode_product(
-    stack: Tensor, matrices: Sequence[Tensor | None], transpose: bool = False
+    stack: Tensor,
+    matrices: Sequence[Tensor | None],
+    transpose: bool = False,
+    out: Tensor | None = None,
+    scratch: Tensor | None = None,
 ) -> Tensor:
-    """``X ×_1 M_1 ... ×_k M_k``, skipping dims whose matrix is None (identity)."""
-    if stack.dim() == 3 and not transpose and all(m is not None for m in matrices):
-        return torch.bmm(torch.bmm(matrices[0], stack), matrices[1].mT)
-    for dim, matrix in enumerate(matrices):
-        if matrix is not None:
-            stack = mode_product(stack, matrix, dim, transpose)
-    return stack
+    """``X ×_1 M_1 ... ×_k M_k``, skipping dims whose matrix is None (identity).
+
+    With ``out`` (and ``scratch``, both the stack's shape, neither aliasing ``stack``) the
+    result is written to ``out`` without allocating. Blocks of order 3 and more cycle their
+    dims (``tensordot`` style): each step contracts the leading dim and appends the new
+    one at the end, ``Z = X_(1)ᵀ Mᵀ``, so every step is one ``bmm`` of views, no permute.
+    """
+    if out is None:
+        out = torch.empty_like(stack)
+    if scratch is None:
+        scratch = torch.empty_like(stack)
+    if all(m is None for m in matrices):
+        return out.copy_(stack)
+    mats = [None if m is None else (m.mT if transpose else m) for m in matrices]
+    if stack.dim() == 2:  # 1-D blocks: matrix-vector products
+        return torch.bmm(mats[0], stack.unsqueeze(-1), out=out.unsqueeze(-1)).squeeze(-1)
+    if stack.dim() == 3:  # 2-D blocks: M_1 X M_2ᵀ
+        left, right = mats
+        if left is None:
+            return torch.bmm(stack, right.mT, out=out)
+        if right is None:
+            return torch.bmm(left, stack, out=out)
+        torch.bmm(left, stack, out=scratch)
+        return torch.bmm(scratch, right.mT, out=out)
+    n, k = stack.shape[0], stack.dim() - 1
+    current, shape = stack, tuple(stack.shape[1:])
+    for j, m in enumerate(mats):
+        # ping-pong between the two buffers so that the last step lands in ``out``
+        target = out if (k - 1 - j) % 2 == 0 else scratch
+        rows = current.reshape(n, shape[0], -1)  # (n, d_j, rest)
+        rotated = target.view(n, -1, shape[0])  # (n, rest, d_j)
+        if m is None:
+            rotated.copy_(rows.mT)
+        else:
+            torch.bmm(rows.mT, m.mT, out=rotated)
+        current, shape = rotated, shape[1:] + shape[:1]
+    return out

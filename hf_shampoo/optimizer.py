@@ -22,9 +22,17 @@ from torch import Tensor
 
 from . import checkpoint
 from .blocking import ParamBlocking
-from .config import DEFAULTS, GLOBAL_KEYS, is_refresh_step, validate_group
-from .distributed import DataParallelDistributor, Distributor, make_distributor
-from .stack import BlockRef, BlockStack, ShampooNumericalError
+from .config import (
+    DEFAULTS,
+    GLOBAL_KEYS,
+    is_preconditioning,
+    is_refresh_step,
+    start_step,
+    validate_group,
+)
+from .distributed import DataParallelDistributor, Distributor, greedy_assignment, make_distributor
+from .linalg import finite_rows
+from .stack import BlockRef, BlockStack, ShampooNumericalError, StackStep, Workspace
 
 
 @dataclass
@@ -72,6 +80,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         communication_dtype: torch.dtype = DEFAULTS["communication_dtype"],
         num_trainers_per_group: int = DEFAULTS["num_trainers_per_group"],
         assignment_cost: str = DEFAULTS["assignment_cost"],
+        refresh_schedule: str = DEFAULTS["refresh_schedule"],
     ) -> None:
         defaults = {key: value for key, value in locals().items() if key in DEFAULTS}
         if isinstance(defaults["betas"], list):
@@ -79,6 +88,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         validate_group(defaults)
         self._layout: Layout | None = None
         self._consolidated: dict[str, Any] | None = None
+        self._workspace = Workspace()
+        self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor = make_distributor(
             distributed, num_trainers_per_group, communication_dtype, assignment_cost
         )
@@ -194,6 +205,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _finish_layout(self, layout: Layout) -> None:
         layout.owned = [s for s in layout.stacks if s.rank == self._distributor.rank]
         self._distributor.allocate_directions(layout.stacks)
+        self._update_refresh_offsets(layout)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -208,9 +220,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         if self._distributor.needs_reallocation(layout.stacks):
             self._distributor.allocate_directions(layout.stacks)
         steps = [group["step"] + 1 for group in self.param_groups]
+        self._update_refresh_offsets(layout)
 
-        # 1. gather gradients of owned stacks
-        jobs = []
+        # 1. gather gradients of owned stacks; decide what each block does this step
+        jobs: list[tuple[BlockStack, StackStep]] = []
         for stack in layout.owned:
             active = _active_members(stack)
             if not active:
@@ -219,51 +232,55 @@ class DistributedShampoo(torch.optim.Optimizer):
             stack.materialize(group)
             full = len(active) == len(stack.members)
             state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
-            grad = _stacked(stack, active, lambda p: p.grad)
-            param = _stacked(stack, active, lambda p: p) if group["weight_decay"] > 0 else None
-            if param is not None and group["weight_decay_type"] == "l2":  # SPEC §2 line 1
-                grad.add_(param, alpha=group["weight_decay"])
-            jobs.append([stack, group, active, state, grad, param, None])
+            grad = _stacked(stack, active, lambda p: p.grad, _grad_buffer(stack) if full else None)
+            if group["weight_decay"] > 0 and group["weight_decay_type"] == "l2":  # §2 line 1
+                grad.add_(self._stacked_params(stack, active), alpha=group["weight_decay"])
+            jobs.append((stack, _plan(stack, group, steps[stack.group_index], active, state, grad)))
 
         # 2. refresh steps: out-of-place factor updates, checked before anything changes
         checks = []
-        for job in jobs:
-            stack, group, active, state, grad, param, _ = job
-            t = steps[stack.group_index]
-            if is_refresh_step(group, t):
-                job[6] = stack.updated_factors(state, group, grad)
-                checks.append((job, _finite_rows(job[6].values())))
-        if checks and not bool(torch.stack([ok.all() for _, ok in checks]).all()):
-            for (stack, *_rest), ok in checks:
+        for stack, job in jobs:
+            if job.refresh_rows:
+                factors = stack.checked_factors(job)
+                if len(job.refresh_rows) == len(job.members):
+                    job.new_factors = factors
+                flags = [finite_rows(f) for f in factors.values()]
+                checks.append((stack, job, torch.stack(flags).all(0) if flags else None))
+        checks = [c for c in checks if c[2] is not None]
+        if checks and not bool(torch.stack([ok.all() for *_, ok in checks]).all()):
+            for stack, job, ok in checks:
                 bad = (~ok).nonzero().flatten().tolist()
                 if bad:
-                    member = stack.members[_rest[1][bad[0]]]
+                    member = stack.members[job.members[job.refresh_rows[bad[0]]]]
                     raise ShampooNumericalError(
                         f"DistributedShampoo: non-finite factor matrix for parameter "
                         f"{member.name!r} (block {member.block_index}) at step "
-                        f"{steps[stack.group_index]}; no parameter was changed by this step"
+                        f"{job.step}; no parameter was changed by this step"
                     )
 
         # 3. search directions of owned blocks, written as -lr * P into the buffers
-        for stack, group, active, state, grad, param, new_factors in jobs:
-            t = steps[stack.group_index]
-            p = stack.direction(state, group, t, grad, param, new_factors, active)
+        for stack, job in jobs:
+            group = job.group
+            if group["weight_decay"] > 0 and group["weight_decay_type"] != "l2":
+                job.param = self._stacked_params(stack, job.members)
             lr = float(group["lr"])
-            if len(active) == len(stack.members):
-                stack.directions.copy_(p.mul(-lr))
-            else:
-                index = torch.tensor(active, device=p.device)
-                stack.directions.index_copy_(0, index, p.mul(-lr).to(stack.directions.dtype))
-                for name, tensor in state.items():
-                    if name in stack.state:
-                        stack.state[name].index_copy_(0, index, tensor)
-                    else:
-                        full_tensor = torch.zeros(
-                            (len(stack.members), *tensor.shape[1:]),
-                            dtype=tensor.dtype,
-                            device=tensor.device,
-                        )
-                        stack.state[name] = full_tensor.index_copy_(0, index, tensor)
+            if len(job.members) == len(stack.members):
+                stack.direction(job, self._workspace, stack.directions, lr)
+                continue
+            out = torch.empty_like(job.grad)
+            stack.direction(job, self._workspace, out, lr)
+            index = torch.tensor(job.members, device=out.device)
+            stack.directions.index_copy_(0, index, out.to(stack.directions.dtype))
+            for name, tensor in job.state.items():
+                if name in stack.state:
+                    stack.state[name].index_copy_(0, index, tensor)
+                else:
+                    full_tensor = torch.zeros(
+                        (len(stack.members), *tensor.shape[1:]),
+                        dtype=tensor.dtype,
+                        device=tensor.device,
+                    )
+                    stack.state[name] = full_tensor.index_copy_(0, index, tensor)
 
         # 4. share directions between ranks; 5. apply every block's direction
         self._distributor.all_gather()
@@ -300,6 +317,41 @@ class DistributedShampoo(torch.optim.Optimizer):
         if targets:
             torch._foreach_add_(targets, updates)
 
+    def _stacked_params(self, stack: BlockStack, active: list[int]) -> Tensor:
+        """The members' parameter blocks, stacked into workspace memory (used at once)."""
+        shape = (len(active), *stack.shape)
+        out = self._workspace.get("param", shape, stack.work_dtype, stack.device)
+        return _stacked(stack, active, lambda p: p, out)
+
+    def _update_refresh_offsets(self, layout: Layout) -> None:
+        """Give every block its schedule offset (SPEC §2 with ``refresh_schedule``).
+
+        ``"all"``: 0. ``"staggered"``: the group's blocks, heaviest first (``Σ d³``, the
+        cost of their eigendecompositions), each go to the least-loaded of the
+        ``precondition_frequency`` offsets. The order depends only on the blocks'
+        identities (parameter index, block index), never on ranks, so every rank and a
+        single process agree. Recomputed when the group's schedule or frequency changes.
+        """
+        for gi, group in enumerate(self.param_groups):
+            key = (group["refresh_schedule"], group["precondition_frequency"])
+            stacks = [s for s in layout.stacks if s.group_index == gi]
+            if self._schedules.get(gi) == key and all(
+                len(s.refresh_offsets) == len(s.members) for s in stacks
+            ):
+                continue
+            self._schedules[gi] = key
+            blocks = sorted((b.param_index, b.block_index, s, i)
+                            for s in stacks for i, b in enumerate(s.members))
+            for s in stacks:
+                s.refresh_offsets = [0] * len(s.members)
+            if key[0] != "staggered":
+                continue
+            costs = [float(sum(d**3 for d in s.shape)) for _, _, s, _ in blocks]
+            # with more offsets than blocks, LPT gives each block its own: only n are used
+            slots = greedy_assignment(costs, min(key[1], len(blocks)))
+            for (_, _, s, i), slot in zip(blocks, slots):
+                s.refresh_offsets[i] = slot
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state in torch's layout; never communicates (SPEC §6).
@@ -314,25 +366,39 @@ class DistributedShampoo(torch.optim.Optimizer):
     def local_state_dict(self) -> dict[str, Any]:
         """The state of the blocks this rank owns (the whole state in one process)."""
         layout = self._ensure_layout()
-        return checkpoint.pack(self.param_groups, layout.owned)
+        d = self._distributor
+        complete = not isinstance(d, DataParallelDistributor) or d.world_size == 1
+        return checkpoint.pack(self.param_groups, layout.owned, *self._rank_and_world(), complete)
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
+    def _rank_and_world(self) -> tuple[int, int]:
+        """This process's global rank and world size (0 and 1 in one process)."""
+        if isinstance(self._distributor, DataParallelDistributor):
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
         """Gather every rank's blocks onto global rank ``to`` (a collective: every rank
-        calls it), so that ``state_dict()`` there returns the full state, as torch's
-        ``ZeroRedundancyOptimizer`` does. Tools that save on one rank only (Trainer,
-        Accelerate) call this first; in one process it does nothing."""
+        calls it), so that ``state_dict()`` there returns the full state until the next
+        ``step()``, as torch's ``ZeroRedundancyOptimizer`` does. ``to`` may also be several
+        ranks (e.g. each node's first rank, for ``save_on_each_node``) or ``None`` for every
+        rank. Tools that save on one rank only (Trainer, Accelerate) call this first; in
+        one process it does nothing."""
         self._consolidated = None
         if not isinstance(self._distributor, DataParallelDistributor):
             return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        destinations = range(world) if to is None else [to] if isinstance(to, int) else list(to)
         local = self.local_state_dict()
         shard = checkpoint.to_cpu(local["state"])
-        gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == to else None
-        dist.gather_object(shard, gathered, dst=to)
-        if gathered is not None:
-            self._consolidated = {
-                "state": checkpoint.merge_shards(gathered),
-                "param_groups": local["param_groups"],
-            }
+        for destination in destinations:  # one gather per destination, same order everywhere
+            gathered: list | None = [None] * world if rank == destination else None
+            dist.gather_object(shard, gathered, dst=destination)
+            if gathered is not None:
+                self._consolidated = {
+                    "state": checkpoint.merge_shards(gathered),
+                    "param_groups": local["param_groups"],
+                    "shard": {**local["shard"], "complete": True},
+                }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
@@ -340,7 +406,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         another model or another blocking with a ``ValueError`` before changing anything.
         """
         layout = self._ensure_layout()
-        checkpoint.unpack(state_dict, self.param_groups, layout.owned)
+        checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world())
         self._consolidated = None
 
     def owned_state_keys(self) -> list[tuple[int, str]]:
@@ -359,8 +425,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         layout = self._ensure_layout()
         return [
             {"name": b.name, "param_index": b.param_index, "block": b.block_index,
-             "shape": s.shape, "rank": s.rank}
-            for s in layout.stacks for b in s.members
+             "shape": s.shape, "rank": s.rank,
+             "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0}
+            for s in layout.stacks for i, b in enumerate(s.members)
         ]
 
 
@@ -380,9 +447,32 @@ def _active_members(stack: BlockStack) -> list[int]:
     return active
 
 
-def _stacked(stack: BlockStack, active: list[int], tensor_of) -> Tensor:
+def _plan(
+    stack: BlockStack, group: dict, step: int, active: list[int], state: dict, grad: Tensor
+) -> StackStep:
+    """What every row (active member) of a stack does this step, from its schedule offset."""
+    offsets = [stack.refresh_offsets[i] if stack.refresh_offsets else 0 for i in active]
+    refresh = [r for r, o in enumerate(offsets) if is_refresh_step(group, step, o)]
+    first = [r for r in refresh if step - offsets[r] == start_step(group)]
+    grafting = []
+    if group["grafting"] is not None:
+        grafting = [r for r, o in enumerate(offsets) if not is_preconditioning(group, step, o)]
+    return StackStep(group, step, active, state, grad, None, refresh, first, grafting)
+
+
+def _grad_buffer(stack: BlockStack) -> Tensor:
+    """The stack's persistent ``(n, *shape)`` gradient buffer (allocated once)."""
+    shape = (len(stack.members), *stack.shape)
+    buffer = stack.gathered_grad
+    if buffer is None or buffer.shape != shape or buffer.device != stack.device:
+        buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
+        stack.gathered_grad = buffer
+    return buffer
+
+
+def _stacked(stack: BlockStack, active: list[int], tensor_of, out: Tensor | None = None) -> Tensor:
     """Copy the given members' blocks of ``tensor_of(param)`` into one ``(m, *shape)``
-    tensor of the stack's working dtype."""
+    tensor of the stack's working dtype (``out`` when given)."""
     pieces = []
     for i in active:
         block = stack.members[i]
@@ -390,10 +480,10 @@ def _stacked(stack: BlockStack, active: list[int], tensor_of) -> Tensor:
         if block.slices is not None:
             piece = piece[block.slices]
         pieces.append(piece)
-    return torch.stack(pieces).to(stack.work_dtype)
-
-
-def _finite_rows(tensors: Iterable[Tensor]) -> Tensor:
-    """Per block: whether every given stacked tensor is finite."""
-    flags = [torch.isfinite(t).flatten(1).all(1) for t in tensors]
-    return torch.stack(flags).all(0) if flags else torch.ones(0, dtype=torch.bool)
+    if out is None:
+        return torch.stack(pieces).to(stack.work_dtype)
+    if all(piece.dtype == out.dtype for piece in pieces):
+        return torch.stack(pieces, out=out)
+    for row, piece in zip(out, pieces):
+        row.copy_(piece)
+    return out

@@ -11,10 +11,14 @@ and applies it. State names (also the checkpoint keys, see ``checkpoint.py``):
 - ``eigenvectors_{j}``: ``Q_j`` (eigenvalue-corrected; shampoo with qr or a tolerance)
 - ``corrected_eigenvalues``: ``D`` (eigenvalue-corrected)
 - ``grafting_state``: ``V``; ``filtered_grad``: ``M``; ``momentum``: ``B``
+
+Intermediate results of a step live in a ``Workspace`` shared by all stacks, and the
+stacked gradients in a buffer per stack, so that a steady step allocates nothing.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import linalg
-from .config import corrected_exponent, dim_exponents, is_refresh_step, start_step
+from .config import corrected_exponent, dim_exponents
 from .kronecker import multi_mode_product, update_factor
 
 MAX_CONSECUTIVE_FAILURES = 3
@@ -31,6 +35,44 @@ GRAFTING_NORM_EPSILON = 1e-16
 
 class ShampooNumericalError(RuntimeError):
     """A factor matrix became non-finite, or its eigendecomposition kept failing."""
+
+
+class Workspace:
+    """Scratch tensors reused by every stack and every step.
+
+    Stacks are processed one after another, so one buffer per name, grown to the largest
+    request, serves them all. A tensor from ``get`` is valid until the next ``get`` of the
+    same name (with the same dtype and device).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, Tensor] = {}
+
+    def get(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+
+@dataclass
+class StackStep:
+    """One step of one stack: the rows it works on (blocks with a gradient) and what each
+    row does this step. Row lists index ``grad``; ``members`` maps rows to stack positions."""
+
+    group: dict
+    step: int
+    members: list[int]
+    state: dict[str, Tensor]  # the stack's state, or a copy of the rows of ``members``
+    grad: Tensor  # stacked gradients with L2 decay added (SPEC §2 line 1), work dtype
+    param: Tensor | None  # stacked parameters when decoupled weight decay needs them
+    refresh_rows: list[int] = field(default_factory=list)  # amortized computation now
+    first_rows: list[int] = field(default_factory=list)  # of those: the first refresh
+    grafting_rows: list[int] = field(default_factory=list)  # before their start step
+    new_factors: dict[str, Tensor] | None = None  # checked factors of every row, to adopt
 
 
 @dataclass
@@ -58,6 +100,9 @@ class BlockStack:
     directions: Tensor | None = None  # -lr * P per block, (n, *shape); may view a shared buffer
     state: dict[str, Tensor] = field(default_factory=dict)
     failures: dict[str, list[int]] = field(default_factory=dict)
+    # per member: steps by which its refresh schedule is delayed (refresh_schedule)
+    refresh_offsets: list[int] = field(default_factory=list)
+    gathered_grad: Tensor | None = field(default=None, repr=False)  # reused every step
 
     @property
     def order(self) -> int:
@@ -119,50 +164,57 @@ class BlockStack:
                 self.failures[name] = [0] * n
 
     # --------------------------------------------------------------- one step
-    def updated_factors(self, state: dict[str, Tensor], group: dict, grad: Tensor) -> dict:
-        """Out-of-place factor updates (used at refresh steps, checked before committing)."""
+    def checked_factors(self, job: StackStep) -> dict[str, Tensor]:
+        """This step's factor matrices of the rows that refresh, computed out of place so
+        that they can be checked for non-finite values before anything changes.
+
+        When every row refreshes, ``direction`` adopts them (``job.new_factors``) instead of
+        updating the factors again; otherwise they only serve the check, and ``direction``
+        updates all rows in place (a row's product does not depend on its batch).
+        """
+        group, rows = job.group, job.refresh_rows
+        everything = len(rows) == job.grad.shape[0]
+        g = job.grad.to(group["factor_matrix_dtype"])
+        if not everything:
+            g = g[rows]
+        factors = {}
+        for j in self.preconditioned_dims(group):
+            factor = job.state[f"factor_matrix_{j}"]
+            factor = factor if everything else factor[rows]
+            factors[f"factor_matrix_{j}"] = update_factor(
+                factor, g, j, group["betas"][1], out_of_place=True
+            )
+        return factors
+
+    def direction(self, job: StackStep, workspace: Workspace, out: Tensor, lr: float) -> None:
+        """SPEC §2 lines 2–8 for the rows of ``job``: writes ``-lr * P`` into ``out``.
+
+        ``job.grad`` and ``job.param`` may be modified. Intermediate results live in
+        ``workspace`` (shared by all stacks), so that a steady step allocates nothing.
+        """
+        group, step, state, grad = job.group, job.step, job.state, job.grad
         beta2 = group["betas"][1]
         fdtype = group["factor_matrix_dtype"]
-        g = grad.to(fdtype)
-        return {
-            f"factor_matrix_{j}": update_factor(state[f"factor_matrix_{j}"], g, j, beta2, True)
-            for j in self.preconditioned_dims(group)
-        }
+        same_dtype = grad.dtype == fdtype
 
-    def direction(
-        self,
-        state: dict[str, Tensor],
-        group: dict,
-        step: int,
-        grad: Tensor,
-        param: Tensor | None,
-        new_factors: dict[str, Tensor] | None,
-        members: list[int],
-    ) -> Tensor:
-        """SPEC §2 lines 2–7 for the blocks in ``state`` (the whole stack or a subset of it,
-        ``members`` giving their positions); returns ``P`` (before ``-lr``). ``grad`` (with
-        L2 decay already added, line 1) and ``param`` are stacked copies in ``work_dtype``
-        that this function may modify. ``new_factors`` are this step's factor matrices when
-        the caller already computed them (refresh steps)."""
-        beta1, beta2 = group["betas"]
-        wd, wd_type = group["weight_decay"], group["weight_decay_type"]
-        fdtype = group["factor_matrix_dtype"]
-        dims = self.preconditioned_dims(group)
+        def scratch(name: str) -> Tensor:
+            return workspace.get(name, grad.shape, grad.dtype, grad.device)
 
         # line 2: factor statistics and, at refresh steps, the amortized computation
-        if new_factors is not None:
-            state.update(new_factors)
+        g = grad if same_dtype else grad.to(fdtype)
+        if job.new_factors is not None:
+            state.update(job.new_factors)
         else:
-            g = grad.to(fdtype)
-            for j in dims:
-                update_factor(state[f"factor_matrix_{j}"], g, j, beta2)
-        if is_refresh_step(group, step):
-            self._refresh(state, group, step, members)
+            unfold_into = scratch("unfold") if same_dtype else None
+            for j in self.preconditioned_dims(group):
+                update_factor(state[f"factor_matrix_{j}"], g, j, beta2, scratch=unfold_into)
+        for rows, first in _split_first(job.refresh_rows, job.first_rows):
+            self._refresh(job, rows, first)
         corrected = group["preconditioner"] == "eigenvalue_corrected"
         bias2 = 1.0 - beta2**step if group["use_bias_correction"] and beta2 < 1 else 1.0
         if corrected:
             bases = self._bases(state, group)
-            rotated = multi_mode_product(grad.to(fdtype), bases, transpose=True).to(grad.dtype)
+            rotated = self._rotate(g, bases, True, scratch("rotated"), scratch("scratch"))
             weight = 1.0 if beta2 == 1.0 else 1.0 - beta2
             d = state["corrected_eigenvalues"]
             if beta2 != 1.0:
@@ -178,55 +230,85 @@ class BlockStack:
             state["grafting_state"].mul_(gb2).addcmul_(grad, grad, value=1.0 - gb2)
 
         # line 4: filtered gradient
-        filtered = self._filtered_gradient(state, group, step, grad)
+        filtered = self._filtered_gradient(state, group, step, grad, scratch("filtered"))
 
         # line 5: search direction
         def graft(x: Tensor) -> Tensor:
+            """graft(x) into the "graft" scratch (x itself for sgd / no grafting)."""
             if grafting in (None, "sgd"):
                 return x
-            v = state["grafting_state"]
+            denominator = scratch("graft")
             if grafting == "adam":
-                v = v / (1.0 - gb2**step)
-            return x / (v.sqrt() + group["grafting_epsilon"])
+                torch.div(state["grafting_state"], 1.0 - gb2**step, out=denominator)
+            else:
+                denominator.copy_(state["grafting_state"])
+            denominator.sqrt_().add_(group["grafting_epsilon"])
+            return torch.div(x, denominator, out=denominator)
 
-        diagonal = group["preconditioner"] == "diagonal"
-        if diagonal or (step < start_step(group) and grafting is not None):
+        rows = grad.shape[0]
+        if group["preconditioner"] == "diagonal" or (
+            grafting is not None and len(job.grafting_rows) == rows
+        ):
             direction = graft(filtered)
+            scale = None
         else:
+            direction = scratch("direction")
             if corrected:
-                direction = self._corrected_direction(state, group, filtered, bases, bias2)
+                self._corrected_direction(state, group, filtered, bases, bias2, direction,
+                                          scratch)
             else:
                 roots = [state.get(f"inverse_root_{j}") for j in range(self.order)]
-                direction = multi_mode_product(filtered.to(fdtype), roots).to(filtered.dtype)
+                if same_dtype:
+                    multi_mode_product(filtered, roots, out=direction, scratch=scratch("scratch"))
+                else:
+                    direction.copy_(multi_mode_product(filtered.to(fdtype), roots))
+            scale = None
             if grafting is not None:
                 reduce = tuple(range(1, direction.dim()))
-                graft_norm = torch.linalg.vector_norm(graft(filtered), dim=reduce, keepdim=True)
+                grafted = graft(filtered)
+                graft_norm = torch.linalg.vector_norm(grafted, dim=reduce, keepdim=True)
                 norm = torch.linalg.vector_norm(direction, dim=reduce, keepdim=True)
-                direction = direction * (graft_norm / (norm + GRAFTING_NORM_EPSILON))
+                scale = graft_norm / (norm + GRAFTING_NORM_EPSILON)
+                if job.grafting_rows:  # staggered start: these rows are still grafting
+                    scale[job.grafting_rows] = 1.0
+                    direction[job.grafting_rows] = grafted[job.grafting_rows]
 
-        # line 6: weight decay folded into the direction
-        if wd > 0 and wd_type != "l2":
+        # line 6: weight decay folded into the direction; line 7: classic momentum
+        wd, wd_type = group["weight_decay"], group["weight_decay_type"]
+        decays = wd > 0 and wd_type != "l2"
+        mu = group["momentum"]
+        if not decays and mu == 0:  # line 8 fused with the grafting scale: one pass
+            if scale is None:
+                torch.mul(direction, -lr, out=out)
+            else:
+                torch.mul(direction, scale.mul_(-lr), out=out)
+            return
+        if scale is not None:
+            direction.mul_(scale)
+        elif grafting in (None, "sgd") and direction is filtered:  # not ours to modify
+            direction = scratch("direction").copy_(filtered)
+        if decays:
             peak = group["peak_lr"]
             alpha = {
                 "decoupled": wd,
                 "corrected": wd * float(group["lr"]) / peak if peak else 0.0,
                 "independent": wd / peak if peak else 0.0,
             }[wd_type]
-            direction = direction + alpha * param
-
-        # line 7: classic momentum
-        mu = group["momentum"]
+            direction.add_(job.param.mul_(alpha))
         if mu > 0:
             dampening = group["dampening"]
             buf = state["momentum"]
             buf.mul_(mu).add_(direction, alpha=1.0 - dampening)
             if group["nesterov"]:
-                direction = direction * (1.0 - dampening) + mu * buf
+                direction.mul_(1.0 - dampening).add_(buf, alpha=mu)
             else:
                 direction = buf
-        return direction
+        torch.mul(direction, -lr, out=out)  # line 8: the caller adds out to the parameters
 
-    def _filtered_gradient(self, state: dict, group: dict, step: int, grad: Tensor) -> Tensor:
+    def _filtered_gradient(
+        self, state: dict, group: dict, step: int, grad: Tensor, out: Tensor
+    ) -> Tensor:
+        """SPEC §2 line 4: Ĝ (into ``out`` unless it is ``grad`` or ``M`` itself)."""
         beta1 = group["betas"][0]
         if beta1 == 0:
             return grad
@@ -235,8 +317,8 @@ class BlockStack:
         bias = group["use_bias_correction"]
         if beta3 == beta1:
             m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-            return m / (1.0 - beta1**step) if bias else m.clone()
-        filtered = torch.add(m * beta3, grad, alpha=1.0 - beta3)
+            return torch.div(m, 1.0 - beta1**step, out=out) if bias else m
+        filtered = torch.mul(m, beta3, out=out).add_(grad, alpha=1.0 - beta3)
         if bias:
             filtered.div_(1.0 - beta3 * beta1 ** (step - 1))
         m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
@@ -246,63 +328,75 @@ class BlockStack:
         dims = set(self.preconditioned_dims(group))
         return [state[f"eigenvectors_{j}"] if j in dims else None for j in range(self.order)]
 
+    @staticmethod
+    def _rotate(x: Tensor, bases: list, transpose: bool, out: Tensor, scratch: Tensor) -> Tensor:
+        """``x`` in (``transpose``) or out of the eigenbases, into ``out`` where dtypes allow."""
+        if x.dtype == out.dtype and all(b is None or b.dtype == x.dtype for b in bases):
+            return multi_mode_product(x, bases, transpose, out=out, scratch=scratch)
+        fdtype = next(b.dtype for b in bases if b is not None)
+        return out.copy_(multi_mode_product(x.to(fdtype), bases, transpose))
+
     def _corrected_direction(
-        self, state: dict, group: dict, filtered: Tensor, bases: list, bias2: float
-    ) -> Tensor:
-        fdtype = group["factor_matrix_dtype"]
-        rotated = multi_mode_product(filtered.to(fdtype), bases, transpose=True).to(filtered.dtype)
+        self, state: dict, group: dict, filtered: Tensor, bases: list, bias2: float,
+        out: Tensor, scratch,
+    ) -> None:
+        rotated = self._rotate(filtered, bases, True, scratch("rotated"), scratch("scratch"))
         exponent = corrected_exponent(group, self.order)
-        scaled = state["corrected_eigenvalues"] / bias2
-        scaled = linalg.power(scaled, exponent)
-        rotated = rotated / (scaled + group["epsilon"])
-        return multi_mode_product(rotated.to(fdtype), bases).to(filtered.dtype)
+        scaled = torch.div(state["corrected_eigenvalues"], bias2, out=scratch("scaled"))
+        scaled = linalg.power(scaled, exponent, in_place=True)
+        rotated.div_(scaled.add_(group["epsilon"]))
+        self._rotate(rotated, bases, False, out, scratch("scratch"))
 
     # ------------------------------------------------------- amortized computation
-    def _refresh(self, state: dict, group: dict, step: int, members: list[int]) -> None:
-        """SPEC §2 line 2 (amortized part) and §3 for every preconditioned dim.
+    def _refresh(self, job: StackStep, rows: list[int], first: bool) -> None:
+        """SPEC §2 line 2 (amortized part) and §3 for every preconditioned dim of ``rows``.
 
         Every path yields, per block, the eigenvalues of ``A + εI`` and a basis: from
         ``eigh``, from warm-started QR, or (a block whose kept basis passes the tolerance
         criterion) ``diag(QᵀAQ) + ε`` with the kept basis. Blocks whose decomposition
-        failed keep their previous root / basis.
+        failed keep their previous root / basis. ``first``: the rows' first refresh.
         """
+        group, state, step = job.group, job.state, job.step
         beta2 = group["betas"][1]
         bias2 = 1.0 - beta2**step if group["use_bias_correction"] and beta2 < 1 else 1.0
         epsilon = group["epsilon"]
-        first = step == start_step(group)
         keeps = self.keeps_basis(group)
         use_qr = group["eigendecomposition"] == "qr" and not first
         shampoo = group["preconditioner"] == "shampoo"
         exponents = dim_exponents(group, self.order)
+        device = job.grad.device
+        # ``rows`` index the job's state; local indices below index ``rows``
+        picked = _Rows(rows, job.grad.shape[0], device)
         for j in self.preconditioned_dims(group):
-            factor = state[f"factor_matrix_{j}"]
+            factor = picked.take(state[f"factor_matrix_{j}"])
             matrix = factor / bias2 if bias2 != 1.0 else factor
             n, d = matrix.shape[0], matrix.shape[-1]
-            device = matrix.device
+            vectors_name = f"eigenvectors_{j}"
+            check = None
             if keeps and not first:
-                stale, diagonal = linalg.stale_mask(
-                    matrix, state[f"eigenvectors_{j}"], group["eigenbasis_tolerance"]
+                check = linalg.check_basis(
+                    matrix, picked.take(state[vectors_name]), group["eigenbasis_tolerance"]
                 )
-                todo = stale.nonzero().flatten()
-                values = diagonal + epsilon
+                todo = check.stale.nonzero().flatten()
+                values = check.diagonal + epsilon
             else:
                 todo = torch.arange(n, device=device)
                 values = matrix.new_zeros(n, d)
             ok = torch.ones(n, dtype=torch.bool)
-            done = todo
+            done, basis = todo, None
             if len(todo) > 0:
-                sub = matrix if len(todo) == n else matrix[todo]
+                full = len(todo) == n
+                sub = matrix if full else matrix[todo]
                 if use_qr:
                     basis, estimates, order = linalg.qr_iteration(
                         sub,
-                        state[f"eigenvectors_{j}"][todo],
+                        picked.take(state[vectors_name], todo),
                         group["qr_max_iterations"],
                         group["eigenbasis_tolerance"],
+                        product=check.product if full else check.product[todo],
                     )
                     new_values = estimates + epsilon
-                    sub_ok = (
-                        torch.isfinite(basis).flatten(1).all(1) & torch.isfinite(estimates).all(1)
-                    ).cpu()
+                    sub_ok = (linalg.finite_rows(basis) & linalg.finite_rows(estimates)).cpu()
                 else:
                     eye = torch.eye(d, dtype=matrix.dtype, device=device)
                     eig = linalg.batched_eigh(sub + epsilon * eye)
@@ -310,26 +404,37 @@ class BlockStack:
                     if keeps:  # kept bases are sorted by descending eigenvalue (see qr_iteration)
                         basis, new_values = basis.flip(-1), new_values.flip(-1)
                     sub_ok = torch.tensor(eig.ok, dtype=torch.bool)
-                ok[todo.cpu()] = sub_ok
-                good = sub_ok.to(device)
-                done = todo[good]
+                if not bool(sub_ok.all()):
+                    ok[todo.cpu()] = sub_ok
+                    good = sub_ok.to(device)
+                    done, basis, new_values = todo[good], basis[good], new_values[good]
+                    if use_qr:
+                        order = order[good]
                 if use_qr and not shampoo:
-                    self._permute_corrected(state, j, done, order[good])
+                    self._permute_corrected(state, j, picked.index(done), order)
                 if keeps:
-                    state[f"eigenvectors_{j}"][done] = basis[good]
-                values[done] = new_values[good]
-            if shampoo:
-                if keeps:
-                    idx = ok.nonzero().flatten().to(device)
-                    vectors = state[f"eigenvectors_{j}"][idx]
+                    picked.put(state[vectors_name], done, basis)
+                if len(done) == n:
+                    values = new_values
                 else:
-                    idx, vectors = done, basis[good]
-                if len(idx) > 0:
-                    lam = linalg.regularized_eigenvalues(values[idx], epsilon)
-                    state[f"inverse_root_{j}"][idx] = linalg.inverse_root_from_eigen(
-                        lam, vectors, exponents[j]
+                    values[done] = new_values
+            if shampoo:
+                if keeps:  # every row that did not fail, with its kept or new basis
+                    local = ok.nonzero().flatten().to(device)
+                    vectors = picked.take(state[vectors_name], local)
+                else:
+                    local, vectors = done, basis
+                if len(local) > 0:
+                    lam = linalg.regularized_eigenvalues(
+                        values if len(local) == n else values[local], epsilon
                     )
-            self._count_failures(f"factor_matrix_{j}", ok, members, step)
+                    root = state[f"inverse_root_{j}"]
+                    if picked.covers(local, root):
+                        linalg.inverse_root_from_eigen(lam, vectors, exponents[j], out=root)
+                    else:
+                        picked.put(root, local,
+                                   linalg.inverse_root_from_eigen(lam, vectors, exponents[j]))
+            self._count_failures(f"factor_matrix_{j}", ok, [job.members[r] for r in rows], step)
 
     def _permute_corrected(self, state: dict, dim: int, blocks: Tensor, order: Tensor) -> None:
         """Reorder ``D`` along ``dim`` for ``blocks`` as their basis columns were sorted."""
@@ -359,3 +464,41 @@ class BlockStack:
                     f"{message} for the {counts[position]}th time in a row; giving up"
                 )
             warnings.warn(f"{message}; keeping the previous preconditioner", stacklevel=4)
+
+
+class _Rows:
+    """Some rows of a job's state tensors (all of them without copies where possible).
+
+    ``take`` reads them, ``put`` writes them back; ``local`` indices count within the rows.
+    """
+
+    def __init__(self, rows: list[int], total: int, device: torch.device) -> None:
+        self.everything = rows == list(range(total))
+        self.rows = None if self.everything else torch.tensor(rows, device=device)
+
+    def index(self, local: Tensor) -> Tensor:
+        """State row indices of ``local``."""
+        return local if self.rows is None else self.rows[local]
+
+    def take(self, tensor: Tensor, local: Tensor | None = None) -> Tensor:
+        if local is None:
+            return tensor if self.rows is None else tensor[self.rows]
+        if self.rows is None and len(local) == tensor.shape[0]:
+            return tensor  # local is every row, in order
+        return tensor[self.index(local)]
+
+    def covers(self, local: Tensor, tensor: Tensor) -> bool:
+        """Whether ``local`` is every row of ``tensor``, in order."""
+        return self.rows is None and len(local) == tensor.shape[0]
+
+    def put(self, tensor: Tensor, local: Tensor, values: Tensor) -> None:
+        if self.covers(local, tensor):
+            tensor.copy_(values)
+        elif len(local) > 0:
+            tensor.index_copy_(0, self.index(local), values)
+
+
+def _split_first(rows: list[int], first: list[int]) -> list[tuple[list[int], bool]]:
+    """Refreshing rows grouped by whether it is their first refresh (eigh, no criterion)."""
+    later = [r for r in rows if r not in set(first)]
+    return [(group, is_first) for group, is_first in ((first, True), (later, False)) if group]

@@ -34,6 +34,10 @@ SCENARIOS: dict[str, dict] = {
                                     assignment_cost="compute"),
     "trainers_per_group_1": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                  max_preconditioner_dim=16, num_trainers_per_group=1),
+    "staggered_eigen_qr": dict(lr=0.01, betas=(0.9, 0.99), epsilon=1e-8, grafting="adam",
+                               preconditioner="eigenvalue_corrected", eigendecomposition="qr",
+                               precondition_frequency=2, max_preconditioner_dim=16,
+                               refresh_schedule="staggered"),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
 }
@@ -124,10 +128,19 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
     params, opt = train(SCENARIOS["shampoo_adam"], shapes=[(3,)])
     results["one_block"] = {"params": [p.detach().clone() for p in params],
                             "state_numel": state_numel(opt.state_dict())}
+    # a rank-0-only save (one rank's shard) must be refused by the other ranks
+    _, opt = train(SCENARIOS["shampoo_adam"], steps=2)
+    shards = [None] * world
+    dist.all_gather_object(shards, opt.state_dict())
+    try:
+        opt.load_state_dict(shards[0])
+        results["foreign_shard"] = "loaded"
+    except ValueError as error:
+        results["foreign_shard"] = str(error)
     # consolidation onto rank 0
     _, opt = train(SCENARIOS["eigen_qr"])
-    opt.consolidate_state_dict(to=0)
-    results["consolidated"] = opt.state_dict() if rank == 0 else None
+    opt.consolidate_state_dict(to=[0, world - 1])  # e.g. the first rank of each node
+    results["consolidated"] = opt.state_dict() if rank in (0, world - 1) else None
     # sharded save at step 3, uninterrupted continuation to step 6
     config = SCENARIOS["shampoo_adam"]
     params, opt = train(config, steps=3)

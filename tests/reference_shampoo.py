@@ -45,6 +45,8 @@ Choices the spec leaves open, and what this reference does (Meta's
 9.  A non-finite ``A_j`` at a refresh raises ``RuntimeError`` before anything of the
     parameter is changed.  A failing ``eigh`` keeps the previous I_j / Q_j with a warning;
     the fourth failure in a row of the same factor raises.
+10. ``schedule_offset`` (``refresh_schedule="staggered"``) delays the schedule: the
+    refresh rule and the grafting-only phase read ``t - offset`` instead of ``t``.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class ReferenceShampoo:
         grafting_beta2: float = 0.999,
         grafting_epsilon: float = 1e-8,
         name: str = "param",
+        schedule_offset: int = 0,
     ):
         self.param = param.detach().clone().to(torch.float64)
         self.lr = lr
@@ -181,6 +184,9 @@ class ReferenceShampoo:
         self.gb2 = grafting_beta2
         self.geps = grafting_epsilon
         self.name = name
+        # refresh_schedule="staggered": the schedule (start step, refreshes) runs this many
+        # steps late; bias corrections still use the true step count t
+        self.offset = schedule_offset
         self.t = 0
         # counters, so that tests can check that a case exercises what it claims to
         self.stats = {"eigh": 0, "qr_steps": 0, "skipped": 0, "permuted": 0}
@@ -302,7 +308,8 @@ class ReferenceShampoo:
         t = self.t
         w_mat = self.param.reshape(self.merged_shape)
         g_mat = grad.detach().to(torch.float64).reshape(self.merged_shape)
-        amortized = (t % self.f == 0 and t > self.s) or t == self.s
+        clock = t - self.offset  # the block's schedule clock (t unless staggered)
+        amortized = (clock % self.f == 0 and clock > self.s) or clock == self.s
         b1, b2, b3 = self.beta1, self.beta2, self.beta3
         w = 1.0 if b2 == 1 else 1.0 - b2
         bc2 = 1.0 - b2**t if (self.bias_correction and b2 < 1) else 1.0
@@ -346,7 +353,7 @@ class ReferenceShampoo:
             else:
                 G_hat = G
             # 5  direction
-            if t < self.s and self.grafting_type is not None:
+            if clock < self.s and self.grafting_type is not None:
                 P = self.graft(G_hat, blk)
             else:
                 if self.preconditioner == "shampoo":

@@ -97,17 +97,26 @@ def test_ranks_without_blocks_still_step(runs, world):
         _assert_bitwise(rank_result["one_block"]["params"], [p.detach() for p in expected])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_ranks_shard_is_refused_by_other_ranks(runs, world):
+    assert runs[world][0]["foreign_shard"] == "loaded"
+    for rank_result in runs[world][1:]:
+        assert "holds only the blocks of rank 0" in rank_result["foreign_shard"]
+        assert "consolidate_state_dict" in rank_result["foreign_shard"]
+
+
 def test_consolidated_state_equals_one_process_state(runs):
     _, opt = worker.train(worker.SCENARIOS["eigen_qr"])
     expected = opt.state_dict()
     for world in (2, 3):
-        got = runs[world][0]["consolidated"]
-        assert set(got["state"]) == set(expected["state"])
-        for index, entry in expected["state"].items():
-            assert set(got["state"][index]) == set(entry)
-            for key, tensor in entry.items():
-                assert torch.equal(got["state"][index][key], tensor), (index, key)
-        assert all(r["consolidated"] is None for r in runs[world][1:])
+        for got in (runs[world][0]["consolidated"], runs[world][-1]["consolidated"]):
+            assert got["shard"]["complete"]
+            assert set(got["state"]) == set(expected["state"])
+            for index, entry in expected["state"].items():
+                assert set(got["state"][index]) == set(entry)
+                for key, tensor in entry.items():
+                    assert torch.equal(got["state"][index][key], tensor), (index, key)
+        assert all(r["consolidated"] is None for r in runs[world][1:-1])
 
 
 def test_sharded_checkpoint_resumes_on_one_and_three_ranks(runs):
@@ -185,7 +194,7 @@ def test_ddp_example_launches_with_torchrun():
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "examples/ddp_train.py", "--steps", "12", "--precondition-frequency", "4"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         env=env, capture_output=True, text=True, timeout=300,

@@ -1,0 +1,207 @@
+"""Performance paths and options: staggered refreshes (``refresh_schedule``), the
+symmetric product ``linalg.syrk``, the one-matmul basis criterion, and the allocation-free
+mode products. Each must compute what the plain formulas compute."""
+
+import pytest
+import torch
+
+from hf_shampoo import DistributedShampoo, kronecker, linalg
+from tests.helpers import F64, random_tensors
+from tests.reference_shampoo import ReferenceShampoo
+
+# ------------------------------------------------------------ refresh_schedule
+
+
+def test_refresh_schedule_is_validated():
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert DistributedShampoo([p]).param_groups[0]["refresh_schedule"] == "all"
+    with pytest.raises(ValueError, match="refresh_schedule"):
+        DistributedShampoo([p], refresh_schedule="spread")
+
+
+# Single-block parameters of different costs, so that the staggered schedule gives them
+# different offsets; each is compared with the reference whose schedule runs that late.
+SHAPES = [(6, 5), (4, 4), (7,), (3, 2, 2), (5, 3), (2,)]
+STAGGERED = {"lr": 0.1, "epsilon": 1e-6, "max_preconditioner_dim": 8,
+             "precondition_frequency": 3, "refresh_schedule": "staggered"}
+
+
+def _run_staggered(config, steps=11):
+    inits = [random_tensors(s, 1, seed=100 + i)[0] for i, s in enumerate(SHAPES)]
+    grads = [random_tensors(s, steps, seed=200 + i) for i, s in enumerate(SHAPES)]
+    params = [torch.nn.Parameter(w.clone()) for w in inits]
+    opt = DistributedShampoo(params, factor_matrix_dtype=F64, **config)
+    offsets = {row["param_index"]: row["refresh_offset"] for row in opt.describe_blocks()}
+    reference_config = {k: v for k, v in config.items() if k != "refresh_schedule"}
+    refs = [ReferenceShampoo(w, schedule_offset=offsets[i], **reference_config)
+            for i, w in enumerate(inits)]
+    for t in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g[t].clone()
+        opt.step()
+        for i, (p, ref) in enumerate(zip(params, refs)):
+            ref.step(grads[i][t])
+            torch.testing.assert_close(p.detach(), ref.param, rtol=1e-9, atol=1e-12,
+                                       msg=lambda m, i=i, t=t: f"param {i} step {t + 1}: {m}")
+    return offsets
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param({}, id="shampoo"),
+        pytest.param({"grafting": "adam", "betas": (0.9, 0.99)}, id="shampoo-adam-grafting"),
+        pytest.param({"grafting": "rmsprop", "start_preconditioning_step": 4,
+                      "weight_decay": 0.1}, id="shampoo-s4-rmsprop-wd"),
+        pytest.param({"preconditioner": "eigenvalue_corrected", "betas": (0.9, 0.99),
+                      "epsilon": 1e-8}, id="eigenvalue-corrected"),
+        pytest.param({"preconditioner": "eigenvalue_corrected", "betas": (0.9, 0.99),
+                      "epsilon": 1e-8, "eigendecomposition": "qr", "qr_max_iterations": 2},
+                     id="eigenvalue-corrected-qr"),
+        pytest.param({"preconditioner": "eigenvalue_corrected", "betas": (0.9, 0.99),
+                      "epsilon": 1e-8, "grafting": "adam", "momentum": 0.5},
+                     id="eigenvalue-corrected-adam-momentum"),
+    ],
+)
+def test_staggered_block_equals_reference_with_its_own_schedule(config):
+    offsets = _run_staggered({**STAGGERED, **config})
+    assert len(set(offsets.values())) == 3  # every offset 0, 1, 2 of f = 3 is in use
+
+
+def test_staggered_offsets_balance_the_refresh_work():
+    """Every offset gets about the same Σd³; the heaviest block gets offset 0."""
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(64, 64)] * 4 + [(32, 32)] * 8]
+    opt = DistributedShampoo(params, precondition_frequency=4, refresh_schedule="staggered")
+    rows = opt.describe_blocks()
+    loads = [0] * 4
+    for row in rows:
+        loads[row["refresh_offset"]] += sum(d**3 for d in row["shape"])
+    assert loads == [loads[0]] * 4
+    # "all" (the default) gives every block offset 0
+    opt = DistributedShampoo(params, precondition_frequency=4)
+    assert {row["refresh_offset"] for row in opt.describe_blocks()} == {0}
+
+
+def test_staggered_refreshes_spread_over_the_window():
+    """With f = 4 and four equal blocks, each step after the start refreshes one block."""
+    params = [torch.nn.Parameter(torch.zeros(8, 8)) for _ in range(4)]
+    opt = DistributedShampoo(params, lr=0.1, precondition_frequency=4, max_preconditioner_dim=8,
+                             refresh_schedule="staggered")
+    calls = []
+    real = linalg.batched_eigh
+
+    def counting(matrices):
+        calls.append(matrices.shape[0])
+        return real(matrices)
+
+    g = torch.Generator().manual_seed(0)
+    linalg_batched, linalg.batched_eigh = linalg.batched_eigh, counting
+    try:
+        per_step = []
+        for _ in range(12):
+            for p in params:
+                p.grad = torch.randn(8, 8, generator=g)
+            calls.clear()
+            opt.step()
+            per_step.append(sum(calls))
+    finally:
+        linalg.batched_eigh = linalg_batched
+    # steps 1-3 graft-free identity steps, then one block (two factors) per step
+    assert per_step == [0, 0, 0] + [2] * 9
+
+
+# ------------------------------------------------------------ linalg.syrk
+
+
+@pytest.mark.parametrize(("d", "k"), [(300, 70), (512, 64), (257, 300)])
+def test_syrk_equals_full_product(d, k):
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, d, k, generator=g, dtype=F64)
+    f = torch.randn(3, d, d, generator=g, dtype=F64)
+    f = f + f.mT
+    expected = 0.9 * f + 0.1 * x @ x.mT
+    out = linalg.syrk(f.clone(), x, beta=0.9, alpha=0.1)
+    torch.testing.assert_close(out, expected)
+    h = d // 2  # the lower-left block mirrors the upper-right one
+    assert torch.equal(out[:, h:, :h], out[:, :h, h:].mT)
+    # beta = 0 ignores the old contents, NaNs included
+    torch.testing.assert_close(linalg.syrk(torch.full_like(f, float("nan")), x), x @ x.mT)
+
+
+def test_syrk_of_a_matrix_does_not_depend_on_its_batch():
+    """Distributed runs batch blocks differently; each block's result must be the same."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 300, 80, generator=g)
+    together = linalg.syrk(torch.zeros(5, 300, 300), x)
+    for i in range(5):
+        alone = linalg.syrk(torch.zeros(1, 300, 300), x[i : i + 1])
+        assert torch.equal(alone[0], together[i])
+
+
+def test_inverse_root_large_enough_for_the_blocked_product():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 300, 600, generator=g, dtype=F64)
+    a = x @ x.mT / 600
+    values, vectors = torch.linalg.eigh(a)
+    root = linalg.inverse_root_from_eigen(values, vectors, 0.25)
+    expected = vectors @ torch.diag_embed(values.pow(-0.25)) @ vectors.mT
+    torch.testing.assert_close(root, expected)
+
+
+# ------------------------------------------------------------ the basis criterion
+
+
+def test_one_matmul_criterion_agrees_with_explicit_rotation():
+    g = torch.Generator().manual_seed(3)
+    n, d = 12, 40
+    x = torch.randn(n, d, 3 * d, generator=g)
+    a = x @ x.mT / (3 * d)
+    _, exact = torch.linalg.eigh(a)
+    # perturb each basis by a rotation of growing angle: ratios from ~0 to large
+    generator = torch.randn(d, d, generator=g)
+    skew = generator - generator.mT
+    bases = torch.stack([exact[i] @ torch.linalg.matrix_exp(0.02 * i * skew) for i in range(n)])
+    _, ratio = linalg.off_diagonal_ratio(a, bases)
+    for tolerance in (0.0, 0.01, 0.05, float(ratio[5]), 0.3):
+        check = linalg.check_basis(a, bases, tolerance)
+        expected = ratio > tolerance if tolerance > 0 else torch.ones(n, dtype=torch.bool)
+        assert torch.equal(check.stale, expected), tolerance
+        torch.testing.assert_close(
+            check.diagonal, torch.diagonal(bases.mT @ a @ bases, dim1=-2, dim2=-1),
+            rtol=1e-4, atol=1e-4,
+        )
+        torch.testing.assert_close(check.product, a @ bases)
+
+
+# ------------------------------------------------------------ mode products with buffers
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 3), (3, 4, 2), (2, 3, 2, 2)])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("skip", [None, 0, 1])
+def test_multi_mode_product_into_buffers(shape, transpose, skip):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, *shape, generator=g, dtype=F64)
+    mats = [torch.randn(2, d, d, generator=g, dtype=F64) for d in shape]
+    if skip is not None and skip < len(shape):
+        mats[skip] = None
+    expected = x
+    for j, m in enumerate(mats):
+        if m is not None:
+            expected = kronecker.mode_product(expected, m, j, transpose)
+    out, scratch = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    result = kronecker.multi_mode_product(x, mats, transpose, out=out, scratch=scratch)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(result, expected)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (2, 3, 2, 2)])
+def test_factor_update_of_middle_dims_uses_scratch(shape):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, *shape, generator=g, dtype=F64)
+    scratch = torch.empty_like(x)
+    for j, d in enumerate(shape):
+        f = torch.zeros(2, d, d, dtype=F64)
+        expected = kronecker.update_factor(f.clone(), x, j, 1.0)
+        torch.testing.assert_close(kronecker.update_factor(f, x, j, 1.0, scratch=scratch),
+                                   expected)
