@@ -11,11 +11,11 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from hf_shampoo.distributed import Distributor, greedy_assignment, block_cost  # noqa: F401
+from hf_shampoo.distributed import Distributor, block_cost, greedy_assignment  # noqa: F401
 
 
 def build_model(name: str) -> torch.nn.Module:

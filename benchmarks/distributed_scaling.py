@@ -7,7 +7,15 @@ refresh step (eigendecompositions of the rank's factors), the rank's optimizer s
 and the all-gather volume per step. Prints a markdown table; ``--write`` puts it into
 BENCHMARKS.md between markers.
 
+``--e2e`` adds the end-to-end view: one rank's forward + backward (``--batch-size`` per
+rank, random inputs: ``--image-size`` images for ResNet-50, ``--seq-len`` tokens for
+GPT-2), ``torch.optim.AdamW`` (every DDP rank runs all of it) and the rank's Shampoo step
+amortized over ``--precondition-frequency`` steps (``steady + (refresh - steady) / f``);
+the overhead is ``(fwd+bwd + Shampoo) / (fwd+bwd + AdamW) - 1``. The all-gather is not
+timed (its volume is in the table).
+
     python benchmarks/distributed_scaling.py --model resnet50 --worlds 1 2 4 8
+    python benchmarks/distributed_scaling.py --model gpt2 --worlds 1 2 4 8 --repeats 1 --e2e
 """
 
 from __future__ import annotations
@@ -44,6 +52,34 @@ def rank_figures(model_name: str, world: int, rank: int, args) -> dict:
             "blocks": blocks, "gather_bytes": opt._distributor.all_gather_bytes()}
 
 
+def model_inputs(model_name: str, args, generator: torch.Generator):
+    if model_name == "resnet50":
+        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
+        y = torch.randint(0, 1000, (args.batch_size,), generator=generator)
+        return lambda model: torch.nn.functional.cross_entropy(model(x), y)
+    tokens = torch.randint(0, 50257, (args.batch_size, args.seq_len), generator=generator)
+    return lambda model: model(input_ids=tokens, labels=tokens).loss
+
+
+def e2e_baselines(model_name: str, args) -> dict:
+    """Median seconds of forward + backward and of AdamW (foreach, fused) steps."""
+    model = build_model(model_name)
+    loss_of = model_inputs(model_name, args, torch.Generator().manual_seed(0))
+
+    def forward_backward() -> None:
+        model.zero_grad(set_to_none=False)
+        loss_of(model).backward()
+
+    forward_backward()
+    figures = {"fwd_bwd": median(timed(forward_backward, args.e2e_repeats))}
+    params = [p for p in model.parameters() if p.requires_grad]
+    for flavour in ("foreach", "fused"):
+        opt = torch.optim.AdamW(params, lr=1e-3, **{flavour: True})
+        opt.step()
+        figures[flavour] = median(timed(opt.step, args.e2e_repeats))
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["resnet50", "gpt2"], default="resnet50")
@@ -51,6 +87,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-preconditioner-dim", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--e2e", action="store_true", help="add forward+backward and AdamW")
+    parser.add_argument("--precondition-frequency", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank (--e2e)")
+    parser.add_argument("--image-size", type=int, default=64, help="ResNet-50 inputs (--e2e)")
+    parser.add_argument("--seq-len", type=int, default=128, help="GPT-2 inputs (--e2e)")
+    parser.add_argument("--e2e-repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -64,7 +106,8 @@ def main() -> None:
     print(f"\n### {args.model}: per-rank optimizer step (max over ranks)\n")
     print(f"Hardware: {hardware()}; max_preconditioner_dim {args.max_preconditioner_dim}, "
           "Adam grafting, float32 communication.\n")
-    head = "| world | blocks/rank (max) | steady step s | refresh step s | state MiB/rank (max) | all-gather MiB/step |"
+    head = ("| world | blocks/rank (max) | steady step s | refresh step s | "
+            "state MiB/rank (max) | all-gather MiB/step |")
     print(head)
     print("|" + "---|" * 6)
     for world, figures, slowest in rows:
@@ -72,6 +115,26 @@ def main() -> None:
         print(f"| {world} | {max(f['blocks'] for f in figures)} | {slowest['steady']:.3f} | "
               f"{refresh:.2f} | {max(f['state_bytes'] for f in figures) / 2**20:.1f} | "
               f"{figures[0]['gather_bytes'] / 2**20:.1f} |")
+    if not args.e2e:
+        return
+    base = e2e_baselines(args.model, args)
+    f = args.precondition_frequency
+    what = (f"{args.batch_size} images of {args.image_size}²" if args.model == "resnet50"
+            else f"{args.batch_size} × {args.seq_len} tokens")
+    print(f"\n### {args.model}: end to end per rank, precondition_frequency {f}\n")
+    print(f"Forward + backward of {what} per rank (random inputs), {args.threads} thread(s) "
+          f"per rank: {base['fwd_bwd']:.3f} s; AdamW step: foreach {base['foreach']:.3f} s, "
+          f"fused {base['fused']:.3f} s. Shampoo: the slowest rank's steady step plus its "
+          f"refresh spread over {f} steps.\n")
+    print("| world | Shampoo step s (amortized) | step total s (fwd+bwd+opt) | "
+          "overhead vs AdamW foreach | vs AdamW fused |")
+    print("|" + "---|" * 5)
+    for world, figures, _slowest in rows:
+        amortized = max(r["steady"] + (r["refresh"] - r["steady"]) / f for r in figures)
+        total = base["fwd_bwd"] + amortized
+        print(f"| {world} | {amortized:.3f} | {total:.3f} | "
+              f"{total / (base['fwd_bwd'] + base['foreach']) - 1:+.0%} | "
+              f"{total / (base['fwd_bwd'] + base['fused']) - 1:+.0%} |")
 
 
 if __name__ == "__main__":

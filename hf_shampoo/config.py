@@ -119,7 +119,9 @@ def _check_exponent_override(value: Any) -> None:
         per_dim = entry if isinstance(entry, dict) else {None: entry}
         for dim, exponent in per_dim.items():
             if dim is not None and (
-                not isinstance(dim, numbers.Integral) or isinstance(dim, bool) or not 0 <= dim < order
+                not isinstance(dim, numbers.Integral)
+                or isinstance(dim, bool)
+                or not 0 <= dim < order
             ):
                 _fail(key, value, f"dim keys of order {order} must be integers in [0, {order})")
             if not _is_real(exponent) or exponent < 0:
@@ -191,7 +193,7 @@ def validate_group(group: dict[str, Any]) -> None:
 
 def _check_corrected_override(value: Any) -> None:
     """Eigenvalue-corrected mode: per-dim entries may only be 0 (keep that dim's basis)."""
-    for order, entry in (value or {}).items():
+    for entry in (value or {}).values():
         if isinstance(entry, dict) and any(e != 0 for e in entry.values()):
             _fail(
                 "inverse_exponent_override",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
 
 def block_cost(shape: Sequence[int], cost: str = "memory") -> float:
     """Cost of a block for assignment.

@@ -9,7 +9,7 @@ per step; without them, results are allocated.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -9,10 +9,64 @@ warm-started QR refresh. Nothing else in the package calls ``torch.linalg``.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0  # a forked child has none of the parent's pool threads: make its own
+
+
+def per_matrix_threads(fn: Callable, jobs: list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]):
+    """``fn(*inputs, *outputs)`` for every job ``(inputs, outputs)`` of stacks of matrices
+    (``fn`` writes its results into the outputs), one matrix at a time on a pool of
+    torch's intra-op thread count, each matrix single-threaded, largest matrices first.
+
+    LAPACK's eigendecomposition and QR factorization scale poorly with threads (much of
+    their work is matrix-vector); independent matrices on separate cores do better (on
+    two cores, eigh of 1024² matrices is about 1.2× faster), and a pool that takes the
+    next matrix when a core is free keeps both cores busy across stacks of different
+    sizes. On CPU with more than one thread *every* matrix is computed single-threaded,
+    also one alone in its stack, so a block's result never depends on which other blocks
+    share its batch (bit-identity between a distributed run and one process). Exceptions
+    are raised after all matrices are done.
+    """
+    global _pool, _pool_pid
+    threads = torch.get_num_threads()
+    if not jobs:
+        return
+    if threads == 1 or jobs[0][0][0].device.type != "cpu":
+        for inputs, outputs in jobs:
+            fn(*inputs, *outputs)
+        return
+    tasks = [(inputs[0].shape[-1], k, i) for k, (inputs, _) in enumerate(jobs)
+             for i in range(inputs[0].shape[0])]
+    tasks.sort(key=lambda task: -task[0])  # stable: largest first, then job and row order
+    if _pool is None or _pool._max_workers != threads or _pool_pid != os.getpid():
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hf_shampoo")
+        _pool_pid = os.getpid()
+    torch.set_num_threads(1)
+    try:
+        futures = []
+        for _, k, i in tasks:
+            inputs, outputs = jobs[k]
+            futures.append(_pool.submit(_single_threaded, fn,
+                                        *(t[i : i + 1] for t in inputs + outputs)))
+        for future in futures:
+            future.exception()  # wait for all before raising any
+        for future in futures:
+            future.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _single_threaded(fn: Callable, *args) -> None:
+    torch.set_num_threads(1)
+    fn(*args)
 
 
 def finite_rows(tensor: Tensor) -> Tensor:
@@ -43,6 +97,11 @@ class Eigh:
     ok: list[bool]
 
 
+def _eigh_into(matrices: Tensor, values: Tensor, vectors: Tensor) -> None:
+    # LAPACK works in place: torch copies the matrices into ``vectors`` (column-major)
+    torch.linalg.eigh(matrices, out=(values, vectors))
+
+
 def _eigh_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
     """One matrix: try its own dtype, then float64 (SPEC: float64 retry); None if both fail."""
     for dtype in dict.fromkeys((matrix.dtype, torch.float64)):
@@ -55,23 +114,46 @@ def _eigh_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
     return None
 
 
-def batched_eigh(matrices: Tensor) -> Eigh:
-    """Symmetric eigendecomposition of a stack; a failed matrix falls back alone.
+def batched_eigh(matrices: Tensor, vectors_out: Tensor | None = None) -> Eigh:
+    """Symmetric eigendecomposition of a stack (see ``batched_eigh_many``)."""
+    return batched_eigh_many([matrices], [vectors_out])[0]
 
-    The batched call is tried first. If it raises or returns non-finite values, each
-    matrix is decomposed on its own (own dtype, then float64), and matrices that still fail
-    are reported in ``ok`` with identity placeholders so the caller can keep its previous
-    result for them.
+
+def batched_eigh_many(
+    stacks: list[Tensor], vectors_out: list[Tensor | None] | None = None
+) -> list[Eigh]:
+    """Symmetric eigendecomposition of several stacks; a failed matrix falls back alone.
+
+    All matrices are decomposed together first (``per_matrix_threads``). In a stack where
+    one raises or returns non-finite values, each matrix is decomposed on its own (own
+    dtype, then float64), and matrices that still fail are reported in ``ok`` with
+    identity placeholders so the caller can keep its previous result for them.
+    ``vectors_out``: memory of each stack's size (any layout) for its eigenvectors, which
+    are returned column-major (a transposed view).
     """
-    try:
+    jobs = []
+    for matrices, memory in zip(stacks, vectors_out or [None] * len(stacks)):
+        n, d = matrices.shape[0], matrices.shape[-1]
+        memory = matrices.new_empty(n, d, d) if memory is None else memory
         # The transposed view is column-major, as LAPACK wants it: torch's working copy is
-        # then a plain copy instead of a transposing one. For a symmetric matrix it is the
-        # same matrix (LAPACK reads its lower triangle, i.e. the upper one of ``matrices``).
-        values, vectors = torch.linalg.eigh(matrices.mT)
-        if all_finite(values) and all_finite(vectors):
-            return Eigh(values, vectors, [True] * matrices.shape[0])
-    except RuntimeError:
-        pass
+        # then a plain copy, not a transposing one. For a symmetric matrix it is the same
+        # matrix (LAPACK reads its lower triangle, i.e. the upper one of ``matrices``).
+        jobs.append(((matrices.mT,), (matrices.new_empty(n, d), memory.view(n, d, d).mT)))
+    try:
+        per_matrix_threads(_eigh_into, jobs)
+        raised = False
+    except RuntimeError:  # torch.linalg.LinAlgError derives from RuntimeError
+        raised = True
+    results = []
+    for matrices, (_, (values, vectors)) in zip(stacks, jobs):
+        if not raised and all_finite(values) and all_finite(vectors):
+            results.append(Eigh(values, vectors, [True] * matrices.shape[0]))
+        else:
+            results.append(_eigh_each(matrices))
+    return results
+
+
+def _eigh_each(matrices: Tensor) -> Eigh:
     n, d = matrices.shape[0], matrices.shape[-1]
     values = matrices.new_ones(n, d)
     vectors = torch.eye(d, dtype=matrices.dtype, device=matrices.device).repeat(n, 1, 1)
@@ -116,37 +198,48 @@ def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:
     return values.copy_(result) if in_place else result
 
 
-# Below these sizes a symmetric product is one plain bmm (halving it does not pay).
+# Below these sizes a symmetric product is one plain bmm (splitting it does not pay; the
+# thresholds were measured on a 2-core AVX-512 CPU, see BENCHMARKS.md).
 SYRK_MIN_DIM = 256
-SYRK_MIN_INNER = 64
+SYRK_MIN_INNER = 512
 
 
 def syrk(out: Tensor, left: Tensor, beta: float = 0.0, alpha: float = 1.0) -> Tensor:
-    """``out = beta·out + alpha·X Xᵀ`` (``X = left``) for a stack, in place.
+    """``out = beta·out + alpha·X Xᵀ`` (``X = left``, a stack ``(n, d, k)``), in place.
 
-    BLAS's ``syrk`` computes one triangle of a symmetric product; torch has none, so the
-    product is cut into 2×2 blocks and only the upper three are multiplied (3/4 of the
-    flops of a full ``bmm``); the lower-left block is the transpose of the upper-right.
-    With ``beta = 0`` the old contents of ``out`` are ignored (also NaNs).
+    BLAS's ``syrk`` computes one triangle of a symmetric product; torch has none. Here the
+    product is cut into 2×2 blocks: the two diagonal blocks recursively, the upper-right
+    one as a ``bmm``, and the lower-left one is its transpose; for ``d = 1024`` that is
+    about 60% of the flops of a full ``bmm``. With ``beta = 0`` the old contents of
+    ``out`` are ignored (NaNs included).
     """
     d, k = left.shape[-2], left.shape[-1]
     if d < SYRK_MIN_DIM or k < SYRK_MIN_INNER:
         return out.baddbmm_(left, left.mT, beta=beta, alpha=alpha)
     h = d // 2
     top, bottom = left[:, :h], left[:, h:]
-    out[:, :h, :h].baddbmm_(top, top.mT, beta=beta, alpha=alpha)
+    syrk(out[:, :h, :h], top, beta, alpha)
     out[:, :h, h:].baddbmm_(top, bottom.mT, beta=beta, alpha=alpha)
-    out[:, h:, h:].baddbmm_(bottom, bottom.mT, beta=beta, alpha=alpha)
+    syrk(out[:, h:, h:], bottom, beta, alpha)
     out[:, h:, :h].copy_(out[:, :h, h:].mT)
     return out
 
 
 def inverse_root_from_eigen(
-    eigenvalues: Tensor, eigenvectors: Tensor, exponent: float, out: Tensor | None = None
+    eigenvalues: Tensor,
+    eigenvectors: Tensor,
+    exponent: float,
+    out: Tensor | None = None,
+    scratch: Tensor | None = None,
 ) -> Tensor:
     """``Q diag(λ^-e) Qᵀ = C Cᵀ`` with ``C = Q diag(λ^(-e/2))`` for a stack (eigenvalues
-    already regularised), as a symmetric product."""
-    scaled = eigenvectors * power(eigenvalues, -exponent / 2).unsqueeze(-2)
+    already regularised), as a symmetric product. ``scratch`` (the stack's size, laid out
+    like ``eigenvectors``) holds ``C``."""
+    scales = power(eigenvalues, -exponent / 2).unsqueeze(-2)
+    if scratch is None:
+        scaled = eigenvectors * scales
+    else:
+        scaled = torch.mul(eigenvectors, scales, out=scratch)
     if out is None:
         out = torch.empty_like(scaled)
     return syrk(out, scaled)
@@ -188,17 +281,18 @@ def check_basis(matrices: Tensor, basis: Tensor, tolerance: float) -> BasisCheck
     is stale (SPEC §3).
 
     One matmul instead of two: ``‖B‖_F = ‖A‖_F`` for an orthogonal ``Q``, and the diagonal
-    of ``B`` is ``Σ_k Q_ki (A Q)_ki``, so ``‖B - diag B‖² = ‖A‖² - ‖diag B‖²`` (summed in
-    float64). That difference loses absolute precision of about ``√d`` units of round-off
-    of ``‖A‖²`` (and ``Q`` is orthogonal only to round-off), so matrices whose ratio lies
-    within that band around ``τ`` are decided with the explicit ``B`` instead.
+    of ``B`` is ``Σ_k Q_ki (A Q)_ki``, so ``‖B - diag B‖² = ‖A‖² - ‖diag B‖²`` (the
+    difference taken in float64). It loses absolute precision of about ``√d`` units of
+    round-off of ``‖A‖²`` (and ``Q`` is orthogonal only to round-off), so matrices whose
+    squared ratio lies within ``16 √d ε_dtype`` of ``τ²`` are decided with the explicit
+    ``B`` instead.
     """
     product = matrices @ basis
     diagonal = rayleigh_quotients(basis, product)
     if tolerance == 0:
         return BasisCheck(torch.ones(matrices.shape[0], dtype=torch.bool,
                                      device=matrices.device), diagonal, product)
-    total = matrices.double().square().sum(dim=(-2, -1))
+    total = torch.linalg.vector_norm(matrices, dim=(-2, -1)).double().square()
     off = (total - diagonal.double().square().sum(dim=-1)).clamp_min(0)
     ratio_sq = off / total.clamp_min(torch.finfo(torch.float64).tiny)
     band = 16 * math.sqrt(matrices.shape[-1]) * torch.finfo(matrices.dtype).eps
@@ -223,8 +317,14 @@ def stale_mask(matrices: Tensor, basis: Tensor, tolerance: float) -> tuple[Tenso
 def orthonormal_basis(matrices: Tensor) -> Tensor:
     """``Q`` of ``qr(matrices)`` (Householder, as ``torch.linalg.qr``) without forming ``R``,
     returned row-major like every other stack here."""
+    basis = torch.empty_like(matrices, memory_format=torch.contiguous_format)
+    per_matrix_threads(_householder_q_into, [((matrices,), (basis,))])
+    return basis
+
+
+def _householder_q_into(matrices: Tensor, basis: Tensor) -> None:
     reflectors, scales = torch.geqrf(matrices)
-    return torch.linalg.householder_product(reflectors, scales).contiguous()
+    basis.copy_(torch.linalg.householder_product(reflectors, scales))
 
 
 def qr_iteration(

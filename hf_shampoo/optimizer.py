@@ -3,8 +3,9 @@
 The class validates hyperparameters, lays parameters out as blocks and stacks
 (``blocking.py``, ``stack.py``), and runs a step in phases so that nothing is half-done:
 
-1. gather each owned stack's gradients (blocks whose gradient is None are skipped);
-2. at refresh steps, update factor matrices out of place and check them all for
+1. gather each owned stack's gradients (blocks whose gradient is None are skipped) and
+   decide what each block does this step (its refresh schedule: ``refresh_schedule``);
+2. for blocks that refresh, update factor matrices out of place and check them all for
    non-finite values before any state or parameter changes;
 3. compute every owned block's search direction ``-lr * P`` into the direction buffers;
 4. all-gather the buffers between ranks (``distributed.py``; nothing in one process);
@@ -13,8 +14,9 @@ The class validates hyperparameters, lays parameters out as blocks and stacks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

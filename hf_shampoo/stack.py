@@ -205,11 +205,11 @@ class BlockStack:
         if job.new_factors is not None:
             state.update(job.new_factors)
         else:
-            unfold_into = scratch("unfold") if same_dtype else None
+            unfold_into = scratch("scratch") if same_dtype else None
             for j in self.preconditioned_dims(group):
                 update_factor(state[f"factor_matrix_{j}"], g, j, beta2, scratch=unfold_into)
         for rows, first in _split_first(job.refresh_rows, job.first_rows):
-            self._refresh(job, rows, first)
+            self._refresh(job, rows, first, workspace)
         corrected = group["preconditioner"] == "eigenvalue_corrected"
         bias2 = 1.0 - beta2**step if group["use_bias_correction"] and beta2 < 1 else 1.0
         if corrected:
@@ -342,104 +342,143 @@ class BlockStack:
     ) -> None:
         rotated = self._rotate(filtered, bases, True, scratch("rotated"), scratch("scratch"))
         exponent = corrected_exponent(group, self.order)
-        scaled = torch.div(state["corrected_eigenvalues"], bias2, out=scratch("scaled"))
+        scaled = torch.div(state["corrected_eigenvalues"], bias2, out=scratch("graft"))
         scaled = linalg.power(scaled, exponent, in_place=True)
         rotated.div_(scaled.add_(group["epsilon"]))
         self._rotate(rotated, bases, False, out, scratch("scratch"))
 
     # ------------------------------------------------------- amortized computation
-    def _refresh(self, job: StackStep, rows: list[int], first: bool) -> None:
+    def _refresh(self, job: StackStep, rows: list[int], first: bool, workspace: Workspace) -> None:
         """SPEC §2 line 2 (amortized part) and §3 for every preconditioned dim of ``rows``.
 
         Every path yields, per block, the eigenvalues of ``A + εI`` and a basis: from
         ``eigh``, from warm-started QR, or (a block whose kept basis passes the tolerance
         criterion) ``diag(QᵀAQ) + ε`` with the kept basis. Blocks whose decomposition
         failed keep their previous root / basis. ``first``: the rows' first refresh.
+        The ``eigh`` calls of all dims run together (``linalg.batched_eigh_many``), and
+        temporaries of the factors' size live in ``workspace`` (fresh memory would cost
+        page faults every refresh).
         """
-        group, state, step = job.group, job.state, job.step
+        group, state = job.group, job.state
         beta2 = group["betas"][1]
-        bias2 = 1.0 - beta2**step if group["use_bias_correction"] and beta2 < 1 else 1.0
+        bias2 = 1.0 - beta2**job.step if group["use_bias_correction"] and beta2 < 1 else 1.0
         epsilon = group["epsilon"]
         keeps = self.keeps_basis(group)
         use_qr = group["eigendecomposition"] == "qr" and not first
-        shampoo = group["preconditioner"] == "shampoo"
-        exponents = dim_exponents(group, self.order)
         device = job.grad.device
-        # ``rows`` index the job's state; local indices below index ``rows``
-        picked = _Rows(rows, job.grad.shape[0], device)
+        picked = _Rows(rows, job.grad.shape[0], device)  # local indices count within rows
+
+        # which matrices of each dim need a new decomposition (SPEC §3 criterion)
+        plans = []
         for j in self.preconditioned_dims(group):
             factor = picked.take(state[f"factor_matrix_{j}"])
-            matrix = factor / bias2 if bias2 != 1.0 else factor
+            matrix = factor
+            if bias2 != 1.0:
+                matrix = torch.div(factor, bias2, out=workspace.get(
+                    f"refresh_matrix_{j}", factor.shape, factor.dtype, device))
             n, d = matrix.shape[0], matrix.shape[-1]
-            vectors_name = f"eigenvectors_{j}"
-            check = None
+            plan = _DimRefresh(j, matrix, torch.arange(n, device=device), matrix.new_zeros(n, d))
             if keeps and not first:
-                check = linalg.check_basis(
-                    matrix, picked.take(state[vectors_name]), group["eigenbasis_tolerance"]
+                plan.check = linalg.check_basis(
+                    matrix, picked.take(state[f"eigenvectors_{j}"]), group["eigenbasis_tolerance"]
                 )
-                todo = check.stale.nonzero().flatten()
-                values = check.diagonal + epsilon
+                plan.todo = plan.check.stale.nonzero().flatten()
+                plan.values = plan.check.diagonal + epsilon
+            plans.append(plan)
+
+        # eigh of A + εI for every dim at once (not for QR refreshes)
+        eigh_plans = [p for p in plans if len(p.todo) > 0 and not use_qr]
+        inputs = []
+        for p in eigh_plans:
+            sub = p.matrix if len(p.todo) == len(p.matrix) else p.matrix[p.todo]
+            if sub.data_ptr() == state[f"factor_matrix_{p.dim}"].data_ptr():
+                sub = sub + epsilon * torch.eye(sub.shape[-1], dtype=sub.dtype, device=device)
+            else:  # our own copy: A + εI in place
+                sub.diagonal(dim1=-2, dim2=-1).add_(epsilon)
+            inputs.append(sub)
+        memory = [workspace.get(f"refresh_vectors_{p.dim}", s.shape, s.dtype, device)
+                  for p, s in zip(eigh_plans, inputs)]
+        decompositions = dict(zip((p.dim for p in eigh_plans),
+                                  linalg.batched_eigh_many(inputs, memory)))
+
+        for plan in plans:
+            self._finish_refresh(job, plan, picked, use_qr, decompositions.get(plan.dim),
+                                 workspace)
+
+    def _finish_refresh(
+        self, job: StackStep, plan: _DimRefresh, picked: _Rows, use_qr: bool,
+        eig: linalg.Eigh | None, workspace: Workspace,
+    ) -> None:
+        """One dim of ``_refresh``: QR or the eigh result into bases, eigenvalues, roots."""
+        group, state, j = job.group, job.state, plan.dim
+        epsilon = group["epsilon"]
+        keeps = self.keeps_basis(group)
+        shampoo = group["preconditioner"] == "shampoo"
+        device = plan.matrix.device
+        n = plan.matrix.shape[0]
+        todo, values = plan.todo, plan.values
+        vectors_name = f"eigenvectors_{j}"
+        ok = torch.ones(n, dtype=torch.bool)
+        done, basis = todo, None
+        if len(todo) > 0:
+            full = len(todo) == n
+            if use_qr:
+                basis, estimates, order = linalg.qr_iteration(
+                    plan.matrix if full else plan.matrix[todo],
+                    picked.take(state[vectors_name], todo),
+                    group["qr_max_iterations"],
+                    group["eigenbasis_tolerance"],
+                    product=plan.check.product if full else plan.check.product[todo],
+                )
+                new_values = estimates + epsilon
+                sub_ok = (linalg.finite_rows(basis) & linalg.finite_rows(estimates)).cpu()
             else:
-                todo = torch.arange(n, device=device)
-                values = matrix.new_zeros(n, d)
-            ok = torch.ones(n, dtype=torch.bool)
-            done, basis = todo, None
-            if len(todo) > 0:
-                full = len(todo) == n
-                sub = matrix if full else matrix[todo]
+                basis, new_values = eig.eigenvectors, eig.eigenvalues
+                if keeps:  # kept bases are sorted by descending eigenvalue (see qr_iteration)
+                    basis, new_values = basis.flip(-1), new_values.flip(-1)
+                sub_ok = torch.tensor(eig.ok, dtype=torch.bool)
+            if not bool(sub_ok.all()):
+                ok[todo.cpu()] = sub_ok
+                good = sub_ok.to(device)
+                done, basis, new_values = todo[good], basis[good], new_values[good]
                 if use_qr:
-                    basis, estimates, order = linalg.qr_iteration(
-                        sub,
-                        picked.take(state[vectors_name], todo),
-                        group["qr_max_iterations"],
-                        group["eigenbasis_tolerance"],
-                        product=check.product if full else check.product[todo],
-                    )
-                    new_values = estimates + epsilon
-                    sub_ok = (linalg.finite_rows(basis) & linalg.finite_rows(estimates)).cpu()
+                    order = order[good]
+            if use_qr and not shampoo:
+                self._permute_corrected(state, j, picked.index(done), order)
+            if keeps:
+                picked.put(state[vectors_name], done, basis)
+            if len(done) == n:
+                values = new_values
+            else:
+                values[done] = new_values
+        if shampoo:
+            if keeps:  # every row that did not fail, with its kept or new basis
+                local = ok.nonzero().flatten().to(device)
+                vectors = picked.take(state[vectors_name], local)
+            else:
+                local, vectors = done, basis
+            if len(local) > 0:
+                lam = linalg.regularized_eigenvalues(
+                    values if len(local) == n else values[local], epsilon
+                )
+                exponent = dim_exponents(group, self.order)[j]
+                root = state[f"inverse_root_{j}"]
+                scaled = workspace.get("refresh_scaled", vectors.shape, vectors.dtype, device)
+                if not vectors.is_contiguous():  # column-major from eigh: keep its layout
+                    scaled = scaled.mT
+                if picked.covers(local, root):
+                    linalg.inverse_root_from_eigen(lam, vectors, exponent, root, scaled)
                 else:
-                    eye = torch.eye(d, dtype=matrix.dtype, device=device)
-                    eig = linalg.batched_eigh(sub + epsilon * eye)
-                    basis, new_values = eig.eigenvectors, eig.eigenvalues
-                    if keeps:  # kept bases are sorted by descending eigenvalue (see qr_iteration)
-                        basis, new_values = basis.flip(-1), new_values.flip(-1)
-                    sub_ok = torch.tensor(eig.ok, dtype=torch.bool)
-                if not bool(sub_ok.all()):
-                    ok[todo.cpu()] = sub_ok
-                    good = sub_ok.to(device)
-                    done, basis, new_values = todo[good], basis[good], new_values[good]
-                    if use_qr:
-                        order = order[good]
-                if use_qr and not shampoo:
-                    self._permute_corrected(state, j, picked.index(done), order)
-                if keeps:
-                    picked.put(state[vectors_name], done, basis)
-                if len(done) == n:
-                    values = new_values
-                else:
-                    values[done] = new_values
-            if shampoo:
-                if keeps:  # every row that did not fail, with its kept or new basis
-                    local = ok.nonzero().flatten().to(device)
-                    vectors = picked.take(state[vectors_name], local)
-                else:
-                    local, vectors = done, basis
-                if len(local) > 0:
-                    lam = linalg.regularized_eigenvalues(
-                        values if len(local) == n else values[local], epsilon
-                    )
-                    root = state[f"inverse_root_{j}"]
-                    if picked.covers(local, root):
-                        linalg.inverse_root_from_eigen(lam, vectors, exponents[j], out=root)
-                    else:
-                        picked.put(root, local,
-                                   linalg.inverse_root_from_eigen(lam, vectors, exponents[j]))
-            self._count_failures(f"factor_matrix_{j}", ok, [job.members[r] for r in rows], step)
+                    picked.put(root, local, linalg.inverse_root_from_eigen(
+                        lam, vectors, exponent, scratch=scaled))
+        self._count_failures(f"factor_matrix_{j}", ok, [job.members[r] for r in picked.list],
+                             job.step)
 
     def _permute_corrected(self, state: dict, dim: int, blocks: Tensor, order: Tensor) -> None:
         """Reorder ``D`` along ``dim`` for ``blocks`` as their basis columns were sorted."""
-        if len(blocks) == 0:
-            return
+        unmoved = torch.arange(order.shape[-1], device=order.device)
+        if len(blocks) == 0 or bool((order == unmoved).all()):
+            return  # nothing moved (the usual case for a warm-started basis)
         d = state["corrected_eigenvalues"]
         sub = d[blocks]
         shape = [sub.shape[0]] + [1] * (sub.dim() - 1)
@@ -466,6 +505,18 @@ class BlockStack:
             warnings.warn(f"{message}; keeping the previous preconditioner", stacklevel=4)
 
 
+@dataclass
+class _DimRefresh:
+    """One dim's part of a refresh: ``A = F / bc2`` of the refreshing rows, which of them
+    need a new decomposition (``todo``) and the eigenvalues known so far."""
+
+    dim: int
+    matrix: Tensor
+    todo: Tensor
+    values: Tensor
+    check: linalg.BasisCheck | None = None
+
+
 class _Rows:
     """Some rows of a job's state tensors (all of them without copies where possible).
 
@@ -473,6 +524,7 @@ class _Rows:
     """
 
     def __init__(self, rows: list[int], total: int, device: torch.device) -> None:
+        self.list = rows
         self.everything = rows == list(range(total))
         self.rows = None if self.everything else torch.tensor(rows, device=device)
 

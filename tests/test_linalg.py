@@ -36,7 +36,7 @@ def test_batched_eigh_falls_back_per_matrix(monkeypatch):
     real = torch.linalg.eigh
     calls = {"batched": 0}
 
-    def flaky(m):
+    def flaky(m, out=None):
         if m.dim() == 3:  # the batched call fails, single matrices succeed except one
             calls["batched"] += 1
             raise torch.linalg.LinAlgError("forced")
@@ -160,7 +160,7 @@ def test_eigh_failures_keep_previous_root_then_raise(monkeypatch):
     w, opt = _train(steps=1, lr=0.1, betas=(0.0, 1.0), precondition_frequency=1)
     root = opt.state_dict()["state"][0]["block_0.inverse_root_0"].clone()
 
-    def broken(m):
+    def broken(m, out=None):
         raise torch.linalg.LinAlgError("forced")
 
     monkeypatch.setattr(torch.linalg, "eigh", broken)

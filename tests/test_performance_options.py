@@ -88,16 +88,16 @@ def test_staggered_refreshes_spread_over_the_window():
     opt = DistributedShampoo(params, lr=0.1, precondition_frequency=4, max_preconditioner_dim=8,
                              refresh_schedule="staggered")
     calls = []
-    real = linalg.batched_eigh
+    real = linalg.batched_eigh_many
 
-    def counting(matrices):
-        calls.append(matrices.shape[0])
-        return real(matrices)
+    def counting(stacks, *args, **kw):
+        calls.extend(m.shape[0] for m in stacks)
+        return real(stacks, *args, **kw)
 
     g = torch.Generator().manual_seed(0)
-    linalg_batched, linalg.batched_eigh = linalg.batched_eigh, counting
+    per_step = []
+    linalg.batched_eigh_many = counting
     try:
-        per_step = []
         for _ in range(12):
             for p in params:
                 p.grad = torch.randn(8, 8, generator=g)
@@ -105,7 +105,7 @@ def test_staggered_refreshes_spread_over_the_window():
             opt.step()
             per_step.append(sum(calls))
     finally:
-        linalg.batched_eigh = linalg_batched
+        linalg.batched_eigh_many = real
     # steps 1-3 graft-free identity steps, then one block (two factors) per step
     assert per_step == [0, 0, 0] + [2] * 9
 
@@ -113,7 +113,7 @@ def test_staggered_refreshes_spread_over_the_window():
 # ------------------------------------------------------------ linalg.syrk
 
 
-@pytest.mark.parametrize(("d", "k"), [(300, 70), (512, 64), (257, 300)])
+@pytest.mark.parametrize(("d", "k"), [(300, 520), (257, 600), (600, 512), (64, 900)])
 def test_syrk_equals_full_product(d, k):
     g = torch.Generator().manual_seed(d)
     x = torch.randn(3, d, k, generator=g, dtype=F64)
@@ -122,8 +122,9 @@ def test_syrk_equals_full_product(d, k):
     expected = 0.9 * f + 0.1 * x @ x.mT
     out = linalg.syrk(f.clone(), x, beta=0.9, alpha=0.1)
     torch.testing.assert_close(out, expected)
-    h = d // 2  # the lower-left block mirrors the upper-right one
-    assert torch.equal(out[:, h:, :h], out[:, :h, h:].mT)
+    if d >= linalg.SYRK_MIN_DIM and k >= linalg.SYRK_MIN_INNER:  # split into blocks
+        h = d // 2  # the lower-left block mirrors the upper-right one
+        assert torch.equal(out[:, h:, :h], out[:, :h, h:].mT)
     # beta = 0 ignores the old contents, NaNs included
     torch.testing.assert_close(linalg.syrk(torch.full_like(f, float("nan")), x), x @ x.mT)
 
@@ -131,16 +132,16 @@ def test_syrk_equals_full_product(d, k):
 def test_syrk_of_a_matrix_does_not_depend_on_its_batch():
     """Distributed runs batch blocks differently; each block's result must be the same."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 300, 80, generator=g)
-    together = linalg.syrk(torch.zeros(5, 300, 300), x)
+    x = torch.randn(5, 600, 520, generator=g)
+    together = linalg.syrk(torch.zeros(5, 600, 600), x)
     for i in range(5):
-        alone = linalg.syrk(torch.zeros(1, 300, 300), x[i : i + 1])
+        alone = linalg.syrk(torch.zeros(1, 600, 600), x[i : i + 1])
         assert torch.equal(alone[0], together[i])
 
 
 def test_inverse_root_large_enough_for_the_blocked_product():
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 300, 600, generator=g, dtype=F64)
+    x = torch.randn(2, 520, 600, generator=g, dtype=F64)
     a = x @ x.mT / 600
     values, vectors = torch.linalg.eigh(a)
     root = linalg.inverse_root_from_eigen(values, vectors, 0.25)
@@ -205,3 +206,57 @@ def test_factor_update_of_middle_dims_uses_scratch(shape):
         expected = kronecker.update_factor(f.clone(), x, j, 1.0)
         torch.testing.assert_close(kronecker.update_factor(f, x, j, 1.0, scratch=scratch),
                                    expected)
+
+
+# ------------------------------------------------------------ LAPACK on several threads
+
+
+def test_lapack_results_do_not_depend_on_batch_with_several_threads():
+    """With several threads each matrix is decomposed single-threaded, in any batch."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 40, 80, generator=g)
+    a = x @ x.mT
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = linalg.batched_eigh(a)
+        basis = linalg.orthonormal_basis(a)
+        for i in range(5):
+            alone = linalg.batched_eigh(a[i : i + 1])
+            assert torch.equal(alone.eigenvalues[0], together.eigenvalues[i])
+            assert torch.equal(alone.eigenvectors[0], together.eigenvectors[i])
+            assert torch.equal(linalg.orthonormal_basis(a[i : i + 1])[0], basis[i])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(basis, torch.linalg.qr(a)[0])
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param({}, id="eigh"),
+    pytest.param({"eigendecomposition": "qr", "eigenbasis_tolerance": 0.1}, id="qr-tolerance"),
+    pytest.param({"preconditioner": "eigenvalue_corrected", "eigendecomposition": "qr"},
+                 id="soap-qr"),
+    pytest.param({"refresh_schedule": "staggered"}, id="staggered"),
+])
+def test_two_threads_match_one_thread_semantics(config):
+    """The multi-threaded paths (LAPACK pool) run and agree with one thread to round-off."""
+    shapes = [(40, 30), (40, 30), (30,), (6, 5, 4)]
+    results = []
+    previous = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            g = torch.Generator().manual_seed(7)
+            params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+            opt = DistributedShampoo(params, lr=0.01, precondition_frequency=2,
+                                     max_preconditioner_dim=64, **config)
+            for _ in range(6):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
+            results.append([p.detach().clone() for p in params])
+        finally:
+            torch.set_num_threads(previous)
+    for one, two in zip(*results):
+        torch.testing.assert_close(one, two, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,427 @@
+"""Optimizer step times on a model's parameter shapes: hf_shampoo against Meta's
+``distributed_shampoo`` (when importable) and against ``torch.optim.AdamW``.
+
+Setting (the issue's): Adam grafting (beta2 0.999, eps 1e-8), betas (0.9, 0.999),
+epsilon 1e-12, max_preconditioner_dim 1024, float32, one process, fixed random gradients.
+To reach the Shampoo phase without running thousands of steps, the step counter is set
+just before ``precondition_frequency = start_preconditioning_step = F`` (both
+implementations), so the next step is the first refresh (``eigh`` of every factor);
+later steps are steady steps (factor update + preconditioning), and setting the counter
+to ``2F - 1`` gives a second refresh (warm-started QR with ``eigendecomposition="qr"``).
+Implementations are timed in interleaved rounds, so that a change in machine load
+hits all of them alike; medians are reported.
+
+Figures:
+- steady / refresh step, each implementation; AdamW (foreach and fused);
+- the refresh floor ``Σ eigh(factor) + steady`` (one ``torch.linalg.eigh`` per factor
+  matrix, as in the issue);
+- FLOPs of hf_shampoo's steady step (``torch.utils.flop_counter``) and its GFLOP/s against
+  the machine's fp32 matmul rate at the same shapes (the same matmuls replayed alone);
+- ``--real-run F``: per-step times of real ResNet-50 training runs on scikit-learn's
+  digits (no counter tricks: the factors drift as in training) for eigh with
+  ``refresh_schedule="all"`` and ``"staggered"`` (slowest step / median step) and for
+  warm-started QR with each ``--qr-tolerance`` (refresh times, share refreshed).
+
+Meta's implementation is never vendored: pass ``--meta-path`` (a checkout of
+facebookresearch/optimizers) or put it on PYTHONPATH.
+
+    python benchmarks/step_time.py --meta-path ../optimizers --threads 2
+    python benchmarks/step_time.py --write BENCHMARKS.md   # replaces the marked section
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import build_model, hardware, median  # noqa: E402
+
+from hf_shampoo import DistributedShampoo, kronecker, linalg  # noqa: E402
+
+F = 100_000  # precondition_frequency = start_preconditioning_step for the counter trick
+MARK_BEGIN = "<!-- step_time.py:begin -->"
+MARK_END = "<!-- step_time.py:end -->"
+
+
+# ----------------------------------------------------------------------------- runners
+class Runner:
+    """One optimizer on the shared parameters; ``step()`` returns its wall time."""
+
+    def __init__(self, name: str, params, grads, optimizer, set_step=None) -> None:
+        self.name, self.params, self.grads = name, params, grads
+        self.optimizer, self._set_step = optimizer, set_step
+        self.steady: list[float] = []
+        self.refresh: list[float] = []
+        self.second_refresh: list[float] = []
+
+    def step(self) -> float:
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        start = time.perf_counter()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+    def set_step(self, t: int) -> None:
+        self._set_step(t)
+
+
+def ours(params, grads, name="hf_shampoo", **kw) -> Runner:
+    config = dict(lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting="adam",
+                  grafting_beta2=0.999, grafting_epsilon=1e-8, max_preconditioner_dim=1024,
+                  precondition_frequency=F, start_preconditioning_step=F, distributed="none")
+    opt = DistributedShampoo(params, **{**config, **kw})
+
+    def set_step(t: int) -> None:
+        for group in opt.param_groups:
+            group["step"] = t
+
+    return Runner(name, params, grads, opt, set_step)
+
+
+def meta(params, grads, packing: bool) -> Runner | None:
+    try:
+        import logging
+
+        from distributed_shampoo import (
+            AdamPreconditionerConfig,
+            RootInvShampooPreconditionerConfig,
+        )
+        from distributed_shampoo import DistributedShampoo as MetaShampoo
+        from distributed_shampoo.shampoo_types import STEP
+    except ImportError:
+        return None
+    logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)
+    opt = MetaShampoo(
+        params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, max_preconditioner_dim=1024,
+        precondition_frequency=F, start_preconditioning_step=F,
+        grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+        preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=packing),
+    )
+
+    def set_step(t: int) -> None:
+        for state_lists in opt._per_group_state_lists:
+            state_lists[STEP].fill_(t)
+
+    return Runner(f"Meta distributed_shampoo (packing {'on' if packing else 'off'})",
+                  params, grads, opt, set_step)
+
+
+def adamw(params, grads, **kw) -> Runner:
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, **kw)
+    flavour = "fused" if kw.get("fused") else "foreach"
+    return Runner(f"torch.optim.AdamW ({flavour})", params, grads, opt, lambda t: None)
+
+
+# ----------------------------------------------------------------------------- figures
+def factor_matrices(opt: DistributedShampoo) -> list[torch.Tensor]:
+    """Every factor matrix ``F/bc2 + εI`` of the (single-process) optimizer."""
+    mats = []
+    for stack in opt._layout.owned:
+        group = opt.param_groups[stack.group_index]
+        t, beta2 = group["step"], group["betas"][1]
+        bc2 = 1 - beta2**t
+        for name, tensor in stack.state.items():
+            if name.startswith("factor_matrix_"):
+                eye = torch.eye(tensor.shape[-1])
+                mats += [m / bc2 + group["epsilon"] * eye for m in tensor]
+    return mats
+
+
+def eigh_seconds(mats: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for m in mats:
+        torch.linalg.eigh(m)
+    return time.perf_counter() - start
+
+
+def steady_flops(opt: DistributedShampoo) -> int:
+    """Multiply-adds ×2 of the steady step's matmuls, as the code runs them: per block and
+    preconditioned dim ``j`` (``d = d_j``, ``k = numel / d``) the factor update ``G Gᵀ``
+    (``linalg.syrk``, which skips the lower-left blocks) and the mode product ``2 d² k``."""
+    total = 0
+    for stack in opt._layout.owned:
+        group = opt.param_groups[stack.group_index]
+        numel, n = math.prod(stack.shape), len(stack.members)
+        for j in stack.preconditioned_dims(group):
+            d = stack.shape[j]
+            k = numel // d
+            total += n * (syrk_flops(d, k) + 2 * k * d * d)
+    return total
+
+
+def syrk_flops(d: int, k: int) -> int:
+    """Flops of ``linalg.syrk`` for a ``d × k`` operand, following its recursion."""
+    if d < linalg.SYRK_MIN_DIM or k < linalg.SYRK_MIN_INNER:
+        return 2 * d * d * k
+    h = d // 2
+    return syrk_flops(h, k) + 2 * h * (d - h) * k + syrk_flops(d - h, k)
+
+
+def dense_flops(opt: DistributedShampoo) -> int:
+    """``4 d² k`` per block and dim: factor update and mode product as full products."""
+    total = 0
+    for stack in opt._layout.owned:
+        dims = stack.preconditioned_dims(opt.param_groups[stack.group_index])
+        total += sum(len(stack.members) * 4 * math.prod(stack.shape) * stack.shape[j]
+                     for j in dims)
+    return total
+
+
+def square_matmul_rate(size: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of one large square fp32 matmul (the machine's best case)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    torch.mm(a, b, out=out)
+    best = min(timed_once(lambda: torch.mm(a, b, out=out)) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def timed_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def matmul_replay_seconds(opt: DistributedShampoo, repeats: int) -> float:
+    """The steady step's matmuls alone (factor updates, preconditioning) on random data of
+    the same shapes, through the same kernels: the machine's matmul time for this step."""
+    cases = []
+    for stack in opt._layout.owned:
+        group = opt.param_groups[stack.group_index]
+        n = len(stack.members)
+        grad = torch.randn(n, *stack.shape)
+        factors = [torch.zeros(n, d, d) for d in stack.shape]
+        roots = [torch.randn(n, d, d) for d in stack.shape]
+        out, scratch, unfold = (torch.empty_like(grad) for _ in range(3))
+        cases.append((group, grad, factors, roots, out, scratch, unfold))
+
+    def run() -> None:
+        for _group, grad, factors, roots, out, scratch, unfold in cases:
+            for j, factor in enumerate(factors):
+                kronecker.update_factor(factor, grad, j, 0.999, scratch=unfold)
+            kronecker.multi_mode_product(grad, roots, out=out, scratch=scratch)
+
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+class StaleCounter:
+    """Counts the factor matrices that the refresh criterion checks and finds stale."""
+
+    def __init__(self) -> None:
+        self.checked = self.stale = 0
+        self._real = linalg.check_basis
+
+    def __enter__(self):
+        def counting(matrices, basis, tolerance):
+            result = self._real(matrices, basis, tolerance)
+            self.checked += len(result.stale)
+            self.stale += int(result.stale.sum())
+            return result
+
+        linalg.check_basis = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        linalg.check_basis = self._real
+
+
+def real_run(frequency: int, steps: int, batch: int, **kw) -> tuple[list[float], float]:
+    """ResNet-50 trained on scikit-learn's digits (8×8 upsampled to 32×32, 3 channels):
+    every step executed, so the factors drift as in training. Returns each optimizer
+    step's seconds (forward / backward not included) and the share of factor matrices
+    the refresh criterion sent to a new decomposition (after the first refresh)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).div(16).unsqueeze(1)
+    images = torch.nn.functional.interpolate(images, size=32, mode="bilinear").repeat(1, 3, 1, 1)
+    labels = torch.tensor(digits.target)
+    torch.manual_seed(0)
+    model = build_model("resnet50")
+    opt = DistributedShampoo(model.parameters(), lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12,
+                             grafting="adam", max_preconditioner_dim=1024,
+                             precondition_frequency=frequency, distributed="none", **kw)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    with StaleCounter() as counter:
+        for _ in range(steps):
+            index = torch.randint(0, len(labels), (batch,), generator=g)
+            loss = torch.nn.functional.cross_entropy(model(images[index]), labels[index])
+            opt.zero_grad()
+            loss.backward()
+            times.append(timed_once(opt.step))
+    return times, (counter.stale / counter.checked if counter.checked else float("nan"))
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet50", "gpt2"], default="resnet50")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="refreshes per implementation")
+    parser.add_argument("--steady", type=int, default=4, help="steady steps per round")
+    parser.add_argument("--meta-path", default=None, help="checkout of facebookresearch/optimizers")
+    parser.add_argument("--no-meta", action="store_true")
+    parser.add_argument("--qr-tolerance", type=float, nargs="*", default=[0.0],
+                        help="eigenbasis_tolerance values for the QR runs")
+    parser.add_argument("--soap", action="store_true",
+                        help="also eigenvalue-corrected Shampoo (SOAP), eigh and QR")
+    parser.add_argument("--real-run", type=int, default=0, metavar="F",
+                        help="also time real ResNet-50 training runs with precondition_frequency F")
+    parser.add_argument("--batch-size", type=int, default=32, help="of the real runs")
+    parser.add_argument("--only-real-run", action="store_true",
+                        help="skip the fixed-gradient comparison")
+    parser.add_argument("--write", default=None, help="put the tables into this markdown file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.meta_path:
+        sys.path.insert(0, os.path.abspath(args.meta_path))
+    lines = [] if args.only_real_run else fixed_gradient_lines(args)
+    if args.real_run:
+        lines += real_run_lines(args)
+    lines.append(f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_section(args.write, text)
+
+
+def fixed_gradient_lines(args) -> list[str]:
+    """hf_shampoo (eigh, QR), Meta's implementation and AdamW on fixed gradients."""
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g) * 1e-2 for p in params]
+
+    runners = [ours(params, grads)]
+    for tolerance in args.qr_tolerance:
+        runners.append(ours(params, grads, f"hf_shampoo, qr, τ={tolerance:g}",
+                            eigendecomposition="qr", eigenbasis_tolerance=tolerance))
+    if args.soap:
+        soap = dict(preconditioner="eigenvalue_corrected", grafting=None, epsilon=1e-8)
+        runners.append(ours(params, grads, "hf_shampoo SOAP, eigh", **soap))
+        for tolerance in args.qr_tolerance:
+            runners.append(ours(params, grads, f"hf_shampoo SOAP, qr, τ={tolerance:g}",
+                                eigendecomposition="qr", eigenbasis_tolerance=tolerance, **soap))
+    if not args.no_meta:
+        for packing in (True, False):
+            runner = meta(params, grads, packing)
+            if runner is not None:
+                runners.append(runner)
+    baselines = [adamw(params, grads, foreach=True), adamw(params, grads, fused=True)]
+    for runner in runners + baselines:
+        runner.step()  # allocates state (a grafting-only step)
+
+    # interleaved rounds: refresh at t = k·F (QR runs: the second one is warm-started)
+    for round_index in range(args.rounds):
+        for runner in runners:
+            runner.set_step((round_index + 1) * F - 1)
+            elapsed = runner.step()
+            (runner.refresh if round_index == 0 else runner.second_refresh).append(elapsed)
+        for _ in range(args.steady):
+            for runner in runners + baselines:
+                runner.steady.append(runner.step())
+        print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
+
+    main_runner = runners[0]
+    mats = factor_matrices(main_runner.optimizer)
+    floor_eigh = eigh_seconds(mats)
+    flops = steady_flops(main_runner.optimizer)
+    square = square_matmul_rate()
+    replay = matmul_replay_seconds(main_runner.optimizer, 3)
+    steady = median(main_runner.steady)
+    meta_runners = [r for r in runners if r.name.startswith("Meta")]
+
+    refresh = median(main_runner.refresh + main_runner.second_refresh)
+    size = sum(p.numel() for p in params) / 1e6
+    lines = [f"### Optimizer step, {args.model} shapes ({size:.1f}M parameters, "
+             f"{len(mats)} factor matrices)", "",
+             f"Hardware: {hardware()}. Medians of {args.rounds * args.steady} steady steps and "
+             f"{args.rounds} refreshes per implementation, interleaved.", "",
+             "| implementation | steady step s | refresh (eigh) s | 2nd refresh s |",
+             "|---|---|---|---|"]
+    for runner in runners:
+        second = median(runner.second_refresh) if runner.second_refresh else float("nan")
+        lines.append(f"| {runner.name} | {median(runner.steady):.3f} | "
+                     f"{runner.refresh[0]:.2f} | {second:.2f} |")
+    for runner in baselines:
+        lines.append(f"| {runner.name} | {median(runner.steady):.3f} | – | – |")
+    floor = floor_eigh + steady
+    lines += ["", f"- refresh floor Σ eigh(factor) + steady: {floor_eigh:.2f} + {steady:.3f} "
+              f"= {floor:.2f} s; hf_shampoo's eigh refresh (median of {args.rounds}) "
+              f"{refresh:.2f} s = {refresh / floor:.2f}× the floor"]
+    for m in meta_runners:
+        ref_refresh = median(m.refresh + m.second_refresh)
+        qr = "".join(f"; {r.name}: 2nd refresh {median(r.second_refresh) / ref_refresh:.2f}×"
+                     for r in runners[1:] if not r.name.startswith("Meta"))
+        lines.append(f"- vs {m.name}: steady {steady / median(m.steady):.2f}×, "
+                     f"eigh refresh {refresh / ref_refresh:.2f}×{qr}")
+    dense = dense_flops(main_runner.optimizer)
+    lines.append(f"- steady step: {flops / 1e9:.1f} GFLOP (matmuls as run; the dense count, "
+                 f"without the symmetric saving, is {dense / 1e9:.1f}), "
+                 f"{flops / steady / 1e9:.0f} GFLOP/s achieved; the same matmuls alone at the "
+                 f"same shapes take {replay:.3f} s ({flops / replay / 1e9:.0f} GFLOP/s), so the "
+                 f"step runs at {replay / steady:.0%} of the machine's matmul rate at these "
+                 f"shapes ({flops / steady / 1e9 / square:.0%} of a 2048² matmul's "
+                 f"{square:.0f} GFLOP/s)")
+    for runner in baselines:
+        lines.append(f"- steady step / {runner.name}: {steady / median(runner.steady):.1f}×")
+
+    return lines
+
+
+def real_run_lines(args) -> list[str]:
+    """Real ResNet-50 training runs: staggered against all-at-once, QR refresh times."""
+    f = args.real_run
+    steps = 3 * f + 1
+    lines = ["", f"Real training run: ResNet-50 on scikit-learn digits (8×8 upsampled to "
+             f"32×32), batch {args.batch_size}, precondition_frequency {f}, {steps} steps, "
+             f"{args.threads} thread(s); optimizer step times only (forward / backward "
+             f"excluded). Refreshes at t = {f} (eigh), {2 * f}, {3 * f} (warm-started QR in "
+             f"the qr rows); with \"staggered\" each block refreshes on its own step. "
+             f"Slowest / median over t ≥ {f}.", "",
+             "| configuration | median step s | slowest step s | slowest / median | "
+             f"refresh t={2 * f} s | refresh t={3 * f} s | refreshed share |",
+             "|---|---|---|---|---|---|---|"]
+    configs = [("eigh, all", {}), ("eigh, staggered", {"refresh_schedule": "staggered"})]
+    configs += [(f"qr τ={t:g}, all", {"eigendecomposition": "qr", "eigenbasis_tolerance": t})
+                for t in args.qr_tolerance]
+    for name, kw in configs:
+        times, stale = real_run(f, steps, args.batch_size, **kw)
+        window = times[f - 1:]
+        share = "–" if stale != stale else f"{stale:.0%}"
+        lines.append(f"| {name} | {median(window):.3f} | {max(window):.3f} | "
+                     f"{max(window) / median(window):.2f} | {times[2 * f - 1]:.2f} | "
+                     f"{times[3 * f - 1]:.2f} | {share} |")
+        print(lines[-1], file=sys.stderr)
+    return lines
+
+
+def write_section(path: str, text: str) -> None:
+    """Replace the text between the step_time markers (append them if missing)."""
+    old = open(path).read() if os.path.exists(path) else ""
+    block = f"{MARK_BEGIN}\n{text}\n{MARK_END}"
+    if MARK_BEGIN in old and MARK_END in old:
+        head, rest = old.split(MARK_BEGIN, 1)
+        new = head + block + rest.split(MARK_END, 1)[1]
+    else:
+        new = old + ("\n" if old else "") + block + "\n"
+    with open(path, "w") as f:
+        f.write(new)
+
+
+if __name__ == "__main__":
+    main()
