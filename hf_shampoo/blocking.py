@@ -9,8 +9,8 @@ with indices in row-major order; that identity does not depend on the world size
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Shared helpers of the test suite: deterministic gradients and an optimizer-vs-reference runner."""
+"""Shared helpers of the tests: deterministic gradients, an optimizer-vs-reference runner."""
 
 from __future__ import annotations
 

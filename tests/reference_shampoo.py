@@ -230,7 +230,7 @@ class ReferenceShampoo:
             blk.failures[j] += 1
             if blk.failures[j] > 3:
                 raise
-            warnings.warn(f"eigh failed ({exc}); keeping the previous preconditioner")
+            warnings.warn(f"eigh failed ({exc}); keeping the previous preconditioner", stacklevel=2)
             return None
         blk.failures[j] = 0
         return lam, vec

@@ -280,7 +280,8 @@ def test_two_ranks_save_state_load_state_resumes_exactly(tmp_path):
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
         "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()), "-m", "hf_shampoo.run", str(tmp_path / "worker.py"),
+        "--main_process_port", str(free_port()), "-m", "hf_shampoo.run",
+        str(tmp_path / "worker.py"),
         str(tmp_path),
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

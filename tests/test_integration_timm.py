@@ -226,7 +226,8 @@ def test_soap_and_lookahead():
     assert all(g["epsilon"] == 1e-7 and g["grafting_epsilon"] == 1e-7 for g in soap.param_groups)
     train_steps(model, soap)
     wrapped = create_optimizer_v2(model, opt="lookahead_shampoo", lr=1e-3)
-    assert isinstance(wrapped, Lookahead) and isinstance(wrapped._base_optimizer, DistributedShampoo)
+    assert isinstance(wrapped, Lookahead)
+    assert isinstance(wrapped._base_optimizer, DistributedShampoo)
     train_steps(model, wrapped)
 
 

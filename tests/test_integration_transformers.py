@@ -266,7 +266,8 @@ def test_trainer_by_name_uses_adamw_migration_defaults(tmp_path):
 def test_command_line_optim_name_and_args(tmp_path):
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
         ["--optim", "distributed_shampoo", "--output_dir", str(tmp_path), "--use_cpu",
-         "--optim_args", "precondition_frequency=5,betas=(0.9;0.95),*.c_fc.*@preconditioner=diagonal",
+         "--optim_args",
+         "precondition_frequency=5,betas=(0.9;0.95),*.c_fc.*@preconditioner=diagonal",
          "--report_to", "none"]
     )
     optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
@@ -310,7 +311,8 @@ def test_optim_args_are_cast_to_their_types():
 @pytest.mark.parametrize(
     "optim_args, message",
     [
-        ("precondition_freq=5", r"unknown optim_args key 'precondition_freq'.*precondition_frequency"),
+        ("precondition_freq=5",
+         r"unknown optim_args key 'precondition_freq'.*precondition_frequency"),
         ("precondition_frequency=0", "precondition_frequency"),
         ("precondition_frequency=2.5", "expected an integer"),
         ("grafting=adamw", "grafting"),
@@ -350,7 +352,8 @@ def test_shampoo_trainer_needs_no_registration(tmp_path):
     assert group_of(optimizer, "transformer.h.0.attn.c_attn.weight")["preconditioner"] == "diagonal"
     trainer.train()
     with pytest.raises(ValueError, match="precondition_frequency"):
-        hft.ShampooTrainer(model=tiny_gpt2(), args=args, shampoo_kwargs={"precondition_frequency": 0})
+        hft.ShampooTrainer(model=tiny_gpt2(), args=args,
+                           shampoo_kwargs={"precondition_frequency": 0})
 
 
 def test_optimizer_cls_and_kwargs_route(tmp_path):
@@ -470,7 +473,8 @@ def test_example_prints_decreasing_loss():
     out = run([sys.executable, "examples/finetune_transformers.py", "--steps", "16",
                "--log-every", "4", "--batch-size", "8", "--block-size", "32", "--describe",
                "--optim-args", "precondition_frequency=4"])
-    line = next(l for l in out.splitlines() if l.startswith("distributed_shampoo: training loss"))
+    line = next(row for row in out.splitlines()
+                if row.startswith("distributed_shampoo: training loss"))
     first, last = (float(x) for x in line.split("training loss ")[1].split(";")[0].split(" -> "))
     assert last < first
     assert "shampoo (dim 0 off)" in out

@@ -165,7 +165,7 @@ def test_eigh_failures_keep_previous_root_then_raise(monkeypatch):
 
     monkeypatch.setattr(torch.linalg, "eigh", broken)
     p = opt.param_groups[0]["params"][0]
-    for step in range(3):
+    for _ in range(3):
         p.grad = torch.ones_like(p)
         with pytest.warns(UserWarning, match="keeping the previous preconditioner"):
             opt.step()

@@ -45,7 +45,9 @@ ROLES = ("bias", "norm", "embedding", "vector", "vocab", "conv", "matrix")
 
 # Trainer's rule for parameters without weight decay (transformers 5.x
 # ``Trainer.get_decay_parameter_names``): inside an ``nn.LayerNorm``, or a name matching these.
-HF_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+HF_NO_DECAY_PATTERNS = (
+    r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"
+)
 
 
 @dataclass(frozen=True)
@@ -405,7 +407,9 @@ def describe(optimizer: Any) -> str:
         count[1] += int(torch.Size(block["shape"]).numel())
     lines.append(
         f"{len(rows)} parameters, {len(blocks)} blocks; per rank: "
-        + ", ".join(f"rank {r}: {n} blocks / {e} elements" for r, (n, e) in sorted(per_rank.items()))
+        + ", ".join(
+            f"rank {r}: {n} blocks / {e} elements" for r, (n, e) in sorted(per_rank.items())
+        )
     )
     return "\n".join(lines)
 

@@ -363,7 +363,8 @@ def _make_classes() -> dict[str, type]:
         rank at ``on_step_end`` / ``on_epoch_end``, after ``DefaultFlowCallback`` has set
         ``control.should_save`` (and before the save itself), and calls the collective
         ``consolidate_state_dict()`` onto every rank that writes the checkpoint (rank 0, or
-        each node's first rank with ``save_on_each_node``). With ``save_strategy="best"`` it consolidates at every
+        each node's first rank with ``save_on_each_node``). With ``save_strategy="best"``
+        it consolidates at every
         evaluation, since whether to save is decided after it. It also validates
         ``optim_args`` when the Trainer is built. Other optimizers are left alone.
         """
@@ -386,7 +387,8 @@ def _make_classes() -> dict[str, type]:
         """A ``Trainer`` that always trains with ``DistributedShampoo``.
 
         Uses only public Trainer API (``create_optimizer``, ``get_decay_parameter_names``,
-        ``pop_callback`` / ``add_callback``: the checkpoint callback goes last). ``args.optim_args`` is read as Shampoo keywords whatever
+        ``pop_callback`` / ``add_callback``: the checkpoint callback goes last).
+        ``args.optim_args`` is read as Shampoo keywords whatever
         ``args.optim`` says; ``shampoo_kwargs`` (SPEC §7 keywords), ``module_overrides``
         ({pattern: keywords}) and ``preset`` ("transformer", "cnn", "none") win over it.
         """
@@ -408,7 +410,8 @@ def _make_classes() -> dict[str, type]:
             if preset is not None and preset not in PRESETS:
                 raise ValueError(f"hf_shampoo: unknown preset {preset!r}; valid: {list(PRESETS)}")
             # last, so that it sees should_save as every other callback left it
-            self.add_callback(self.pop_callback(ShampooCheckpointCallback) or ShampooCheckpointCallback)
+            callback = self.pop_callback(ShampooCheckpointCallback) or ShampooCheckpointCallback
+            self.add_callback(callback)
 
         def create_optimizer(self, model=None):
             opt_model = self.model if model is None else model
@@ -590,7 +593,9 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             try:
                 _apply(fullname, module)
             except Exception as error:  # noqa: BLE001 - never break `import transformers`
-                warnings.warn(f"hf_shampoo: could not register with transformers: {error}")
+                warnings.warn(
+                    f"hf_shampoo: could not register with transformers: {error}", stacklevel=2
+                )
             if all(name in _patched for name in _PATCHES) and self in sys.meta_path:
                 sys.meta_path.remove(self)
 
@@ -611,7 +616,9 @@ def register_on_import() -> None:
             try:
                 _apply(fullname, module)
             except Exception as error:  # noqa: BLE001 - never break `import hf_shampoo`
-                warnings.warn(f"hf_shampoo: could not register with transformers: {error}")
+                warnings.warn(
+                    f"hf_shampoo: could not register with transformers: {error}", stacklevel=2
+                )
         else:
             pending = True
     if pending and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
