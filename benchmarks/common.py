@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from hf_shampoo import linalg
 from hf_shampoo.distributed import Distributor, block_cost, greedy_assignment  # noqa: F401
 
 
@@ -62,6 +63,31 @@ def hardware() -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {torch.get_num_threads()} thread(s), {gpu}; torch {torch.__version__}, "
             f"Python {platform.python_version()}")
+
+
+class StaleCounter:
+    """Counts the factor matrices the refresh criterion checks and finds stale (a context
+    manager around ``linalg.check_basis``). With ``count_tolerance_zero=False`` the calls
+    with τ = 0, where every matrix is stale by definition, are not counted."""
+
+    def __init__(self, count_tolerance_zero: bool = True) -> None:
+        self.checked = self.stale = 0
+        self.count_tolerance_zero = count_tolerance_zero
+        self._real = linalg.check_basis
+
+    def __enter__(self):
+        def counting(matrices, basis, tolerance):
+            result = self._real(matrices, basis, tolerance)
+            if tolerance > 0 or self.count_tolerance_zero:
+                self.checked += len(result.stale)
+                self.stale += int(result.stale.sum())
+            return result
+
+        linalg.check_basis = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        linalg.check_basis = self._real
 
 
 class SimulatedRank(Distributor):

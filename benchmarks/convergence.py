@@ -23,9 +23,9 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import hardware  # noqa: E402
+from common import StaleCounter, hardware  # noqa: E402
 
-from hf_shampoo import DistributedShampoo, linalg  # noqa: E402
+from hf_shampoo import DistributedShampoo  # noqa: E402
 
 SHAMPOO = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
                grafting_epsilon=1e-8, weight_decay=1e-4, max_preconditioner_dim=128)
@@ -66,28 +66,6 @@ def make_model(kind: str, seed: int) -> nn.Module:
                          nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-class StaleCounter:
-    """Counts the factor matrices the refresh criterion checks and finds stale."""
-
-    def __init__(self) -> None:
-        self.checked = self.stale = 0
-        self._real = linalg.check_basis
-
-    def __enter__(self):
-        def counting(matrices, basis, tolerance):
-            result = self._real(matrices, basis, tolerance)
-            if tolerance > 0:
-                self.checked += len(result.stale)
-                self.stale += int(result.stale.sum())
-            return result
-
-        linalg.check_basis = counting
-        return self
-
-    def __exit__(self, *exc) -> None:
-        linalg.check_basis = self._real
-
-
 def train(kind: str, config: dict | None, seed: int, args) -> tuple[list[float], float, float]:
     x, y, xt, yt = load_data(seed)
     model = make_model(kind, seed)
@@ -99,7 +77,7 @@ def train(kind: str, config: dict | None, seed: int, args) -> tuple[list[float],
                                  precondition_frequency=args.frequency, **config)
     g = torch.Generator().manual_seed(seed + 1)
     losses = []
-    with StaleCounter() as counter:
+    with StaleCounter(count_tolerance_zero=False) as counter:
         for _ in range(args.steps):
             index = torch.randint(0, len(y), (args.batch_size,), generator=g)
             loss = nn.functional.cross_entropy(model(x[index]), y[index])

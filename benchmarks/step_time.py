@@ -40,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_model, hardware, median  # noqa: E402
+from common import StaleCounter, build_model, hardware, median, timed  # noqa: E402
 
 from hf_shampoo import DistributedShampoo, kronecker, linalg  # noqa: E402
 
@@ -207,34 +207,8 @@ def matmul_replay_seconds(opt: DistributedShampoo, repeats: int) -> float:
                 kronecker.update_factor(factor, grad, j, 0.999, scratch=unfold)
             kronecker.multi_mode_product(grad, roots, out=out, scratch=scratch)
 
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return median(times)
-
-
-class StaleCounter:
-    """Counts the factor matrices that the refresh criterion checks and finds stale."""
-
-    def __init__(self) -> None:
-        self.checked = self.stale = 0
-        self._real = linalg.check_basis
-
-    def __enter__(self):
-        def counting(matrices, basis, tolerance):
-            result = self._real(matrices, basis, tolerance)
-            self.checked += len(result.stale)
-            self.stale += int(result.stale.sum())
-            return result
-
-        linalg.check_basis = counting
-        return self
-
-    def __exit__(self, *exc) -> None:
-        linalg.check_basis = self._real
+    run()  # warm-up
+    return median(timed(run, repeats))
 
 
 def real_run(frequency: int, steps: int, batch: int, **kw) -> tuple[list[float], float]:
