@@ -14,6 +14,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
+import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -21,7 +22,6 @@ from typing import Any
 from torch import Tensor
 
 from ..optimizer import DistributedShampoo
-from ._after_import import call_after_import
 
 # timm keeps only the part of `opt` after its last underscore ("lookahead_shampoo" is
 # Lookahead around "shampoo"), so these names must not contain one.
@@ -257,15 +257,43 @@ def register(registry: Any = None, force: bool = False) -> bool:
     return True
 
 
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: runs ``register()`` right after timm's optimizer factory loads."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _FACTORY_MODULE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            try:
+                register()
+            except Exception as error:  # noqa: BLE001 - never break `import timm`
+                warnings.warn(f"hf_shampoo: could not register with timm: {error}", stacklevel=2)
+
+        loader.exec_module = exec_then_register  # this module's loader instance only
+        return spec
+
+
 def register_on_import() -> None:
     """Register with timm now if timm's optimizer factory is loaded, else right after it is.
 
     This keeps ``import hf_shampoo`` from importing timm (about 1.5 s) while still making
     ``opt="shampoo"`` work whichever of the two is imported first.
     """
-    if importlib.util.find_spec("timm") is not None:
-        call_after_import([_FACTORY_MODULE], _register_after_import, "timm")
-
-
-def _register_after_import(name: str, module: object) -> None:
-    register()
+    if _FACTORY_MODULE in sys.modules:
+        try:
+            register()
+        except Exception as error:  # noqa: BLE001 - never break `import hf_shampoo`
+            warnings.warn(f"hf_shampoo: could not register with timm: {error}", stacklevel=2)
+    elif importlib.util.find_spec("timm") is not None and not any(
+        isinstance(finder, _RegisterOnImport) for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _RegisterOnImport())
