@@ -225,9 +225,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._update_refresh_offsets(layout)
 
         # 1. gather gradients of owned stacks; decide what each block does this step
+        active_members = {id(stack): _active_members(stack) for stack in layout.stacks}
         jobs: list[tuple[BlockStack, StackStep]] = []
         for stack in layout.owned:
-            active = _active_members(stack)
+            active = active_members[id(stack)]
             if not active:
                 continue
             group = self.param_groups[stack.group_index]
@@ -273,30 +274,24 @@ class DistributedShampoo(torch.optim.Optimizer):
             stack.direction(job, self._workspace, out, lr)
             index = torch.tensor(job.members, device=out.device)
             stack.directions.index_copy_(0, index, out.to(stack.directions.dtype))
-            for name, tensor in job.state.items():
-                if name in stack.state:
-                    stack.state[name].index_copy_(0, index, tensor)
-                else:
-                    full_tensor = torch.zeros(
-                        (len(stack.members), *tensor.shape[1:]),
-                        dtype=tensor.dtype,
-                        device=tensor.device,
-                    )
-                    stack.state[name] = full_tensor.index_copy_(0, index, tensor)
+            for name, tensor in job.state.items():  # materialize() made every name exist
+                stack.state[name].index_copy_(0, index, tensor)
 
         # 4. share directions between ranks; 5. apply every block's direction
         self._distributor.all_gather()
-        self._apply(layout)
+        self._apply(layout, active_members)
         for group, t in zip(self.param_groups, steps):
             group["step"] = t
         return loss
 
-    def _apply(self, layout: Layout) -> None:
+    def _apply(self, layout: Layout, active_members: dict[int, list[int]]) -> None:
+        """Add every block's direction (this rank's and the all-gathered ones) to its
+        parameter; ``active_members`` are the blocks with a gradient this step."""
         targets: list[Tensor] = []
         updates: list[Tensor] = []
         assembled: dict[int, tuple[Tensor, Tensor]] = {}
         for stack in layout.stacks:
-            for i in _active_members(stack):
+            for i in active_members[id(stack)]:
                 block = stack.members[i]
                 param, update = block.param, stack.directions[i]
                 blocking = layout.blockings[block.param_index]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -35,11 +34,6 @@ from hf_shampoo.integrations.modules import describe
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (fixed ports collide with concurrent runs)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 VOCAB = 64
 
 # An HF-style training script that knows nothing of hf_shampoo: it trains a tiny GPT-2 to
@@ -434,8 +428,8 @@ def test_unmodified_script_single_process_resume(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_trainer_checkpoint_resumes_exactly(tmp_path):
     (tmp_path / "train.py").write_text(WORKER)
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(free_port()), "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
          "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
          *WORKER_ARGS])
     check_resume(tmp_path / "result.json", 2)
