@@ -101,7 +101,7 @@ class SimulatedRank(Distributor):
         self.world_size, self.rank, self.assignment_cost = world, rank, assignment_cost
         self.segment_numel = 0
 
-    def assign(self, block_shapes):
+    def assign(self, blocks, block_shapes):
         costs = [block_cost(s, self.assignment_cost) for s in block_shapes]
         return greedy_assignment(costs, self.world_size)
 

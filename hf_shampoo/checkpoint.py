@@ -18,16 +18,18 @@ import torch
 from .blocking import ParamBlocking
 from .config import LAYOUT_KEYS
 
-_KEY = re.compile(r"^block_(\d+)\.(\w+)$")
+# "block_{b}.{name}"; with fsdp_mode="local", "shard{s}of{n}.block_{b}.{name}"
+_KEY = re.compile(r"^(shard\d+of\d+\.)?block_(\d+)\.(\w+)$")
 
 
 def pack(
     param_groups: list[dict], owned_stacks: list, rank: int = 0, world_size: int = 1,
-    complete: bool = True,
+    complete: bool = True, prefix: str = "",
 ) -> dict[str, Any]:
     """The state dict of ``owned_stacks``. ``"shard"`` records whose blocks it holds: a
-    state that is not ``complete`` (one rank's blocks of a data-parallel run) is refused
-    by other ranks, so that a rank-0-only save never silently resumes without state."""
+    state that is not ``complete`` (one rank's blocks of a distributed run) must hold
+    every block the loading rank owns, so that a rank-0-only save never silently resumes
+    without state. ``prefix`` starts every key (``fsdp_mode="local"``)."""
     groups, index = [], 0
     for group in param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}
@@ -41,7 +43,7 @@ def pack(
         for i, block in enumerate(stack.members):
             entry = state.setdefault(block.param_index, {})
             for name, tensor in stack.state.items():
-                entry[f"block_{block.block_index}.{name}"] = tensor[i]
+                entry[f"{prefix}block_{block.block_index}.{name}"] = tensor[i]
     shard = {"rank": rank, "world_size": world_size, "complete": complete}
     return {"state": state, "param_groups": groups, "shard": shard}
 
@@ -69,7 +71,9 @@ def merge_shards(shards: list[dict]) -> dict:
 
 def _sort_key(key: str) -> tuple:
     match = _KEY.match(key)
-    return (int(match.group(1)), match.group(2)) if match else (-1, key)
+    if match is None:
+        return ("", -1, key)
+    return (match.group(1) or "", int(match.group(2)), match.group(3))
 
 
 def _refuse(message: str) -> None:
@@ -81,20 +85,18 @@ def _refuse(message: str) -> None:
 
 def unpack(
     state_dict: dict[str, Any], param_groups: list[dict], owned_stacks: list,
-    rank: int = 0, world_size: int = 1,
+    rank: int = 0, world_size: int = 1, prefix: str = "", blockings: dict | None = None,
 ) -> None:
-    """Validate ``state_dict`` against this optimizer completely, then load it."""
+    """Validate ``state_dict`` against this optimizer completely, then load it.
+
+    ``prefix``: this rank's key prefix (``fsdp_mode="local"``); ``blockings``: each
+    parameter's blocking (default: of its full shape)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         _refuse("expected a dict with 'state' and 'param_groups'")
-    shard = state_dict.get("shard") or {"complete": True}
-    if not shard["complete"] and (shard["rank"], shard["world_size"]) != (rank, world_size):
-        raise ValueError(
-            f"DistributedShampoo.load_state_dict: this state holds only the blocks of rank "
-            f"{shard['rank']} of a {shard['world_size']}-rank run, and this is rank {rank} of "
-            f"{world_size}; loading it would leave this rank's blocks without state. Save "
-            "after optimizer.consolidate_state_dict() (every rank calls it; rank 0's "
-            "state_dict() then holds all blocks), or use hf_shampoo.distributed_checkpoint"
-        )
+    shard = state_dict.get("shard")
+    # A state without the marker (e.g. through torch.distributed.checkpoint's helpers,
+    # which keep only "state" and "param_groups") is checked as strictly as a shard.
+    complete = bool(shard.get("complete", False)) if isinstance(shard, dict) else False
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     if len(saved_groups) != len(param_groups):
         _refuse(f"it has {len(saved_groups)} parameter groups, this optimizer {len(param_groups)}")
@@ -129,7 +131,9 @@ def unpack(
             match = _KEY.match(str(key))
             if match is None:
                 _refuse(f"unexpected entry {key!r} for parameter {param_index}")
-            block_index, name = int(match.group(1)), match.group(2)
+            if (match.group(1) or "") != prefix:
+                continue  # another shard's blocks (fsdp_mode="local")
+            block_index, name = int(match.group(2)), match.group(3)
             where = owned.get((param_index, block_index))
             if where is None:
                 continue  # a block another rank owns (or a consolidated checkpoint)
@@ -144,12 +148,28 @@ def unpack(
                     f"shape {tuple(tensor.shape)}, expected {tuple(shape)}"
                 )
             loads.setdefault(id(stack), {}).setdefault(i, {})[name] = tensor
-    _check_blocks_exist(saved_state, id_to_index, param_groups)
+    _check_blocks_exist(saved_state, id_to_index, param_groups, prefix, blockings)
+    has_state = any(len(entry) for entry in saved_state.values())
     for stack in owned_stacks:
         members = loads.get(id(stack), {})
-        if members and len(members) != len(stack.members):
-            missing = [b for i, b in enumerate(stack.members) if i not in members][0]
-            _refuse(f"it lacks the state of parameter {missing.name!r} block {missing.block_index}")
+        if len(members) == len(stack.members) or not has_state:
+            continue
+        missing = [b for i, b in enumerate(stack.members) if i not in members][0]
+        if not members and complete:
+            continue  # a complete state of a block that never took a step
+        if not complete:
+            where = f"rank {shard['rank']} of a {shard['world_size']}-rank run" if isinstance(
+                shard, dict) and "rank" in shard else "some ranks"
+            raise ValueError(
+                f"DistributedShampoo.load_state_dict: this state holds only the blocks of "
+                f"{where}, and lacks parameter {missing.name!r} block {missing.block_index}, "
+                f"which rank {rank} of {world_size} owns; loading it would leave this rank's "
+                "blocks without state. Save after optimizer.consolidate_state_dict() (every "
+                "rank calls it; rank 0's state_dict() then holds all blocks), or save and load "
+                "sharded (hf_shampoo.distributed_checkpoint, or torch.distributed.checkpoint "
+                "with get_optimizer_state_dict / set_optimizer_state_dict)"
+            )
+        _refuse(f"it lacks the state of parameter {missing.name!r} block {missing.block_index}")
 
     # Everything checked: now change the optimizer.
     for group, merged in zip(param_groups, merged_groups):
@@ -169,16 +189,22 @@ def unpack(
                 stack.state[name][i].copy_(tensor)
 
 
-def _check_blocks_exist(saved_state, id_to_index, param_groups) -> None:
+def _check_blocks_exist(saved_state, id_to_index, param_groups, prefix="", blockings=None):
     """Refuse block indices the current blocking does not have (other max_preconditioner_dim)."""
     params: list = [p for group in param_groups for p in group["params"]]
     dims: list[int] = [group["max_preconditioner_dim"] for group in param_groups
                        for _ in group["params"]]
     for saved_id, entry in saved_state.items():
         index = id_to_index[saved_id]
-        count = len(ParamBlocking.of(params[index].shape, dims[index]).slices)
+        if blockings is not None and index in blockings:
+            count = len(blockings[index].slices)
+        else:
+            count = len(ParamBlocking.of(params[index].shape, dims[index]).slices)
         for key in entry:
-            block_index = int(_KEY.match(str(key)).group(1))
+            match = _KEY.match(str(key))
+            if (match.group(1) or "") != prefix:
+                continue
+            block_index = int(match.group(2))
             if block_index >= count:
                 _refuse(
                     f"parameter {index} has state for block {block_index} but is cut into "

@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "grafting_epsilon": 1e-8,
     "factor_matrix_dtype": torch.float32,
     "distributed": "auto",
+    "fsdp_mode": "lossless",
     "communication_dtype": torch.float32,
     "num_trainers_per_group": -1,
     "assignment_cost": "memory",
@@ -49,7 +50,10 @@ PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
-DISTRIBUTED_MODES = ("auto", "none", "ddp")
+DISTRIBUTED_MODES = ("auto", "none", "ddp", "fsdp")
+# FSDP2 / HSDP parameters (SPEC §8): "lossless" blocks the full parameter (one-process
+# numbers); "local" blocks each rank's local shard (no extra communication).
+FSDP_MODES = ("lossless", "local")
 COMMUNICATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How blocks are weighed when spread over ranks (distributed.block_cost).
 ASSIGNMENT_COSTS = ("memory", "compute")
@@ -58,7 +62,8 @@ ASSIGNMENT_COSTS = ("memory", "compute")
 REFRESH_SCHEDULES = ("all", "staggered")
 
 # Keywords that describe the whole optimizer, not one group: they must agree across groups.
-GLOBAL_KEYS = ("distributed", "communication_dtype", "num_trainers_per_group", "assignment_cost")
+GLOBAL_KEYS = ("distributed", "fsdp_mode", "communication_dtype", "num_trainers_per_group",
+               "assignment_cost")
 
 # Keywords that decide which state tensors exist and how parameters are blocked. They are
 # fixed once state exists, and a checkpoint must agree with them to be loaded.
@@ -183,6 +188,7 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_real("grafting_epsilon", group["grafting_epsilon"], 0.0, math.inf, low_open=True)
     _check_choice("factor_matrix_dtype", group["factor_matrix_dtype"], FACTOR_MATRIX_DTYPES)
     _check_choice("distributed", group["distributed"], DISTRIBUTED_MODES)
+    _check_choice("fsdp_mode", group["fsdp_mode"], FSDP_MODES)
     _check_choice("communication_dtype", group["communication_dtype"], COMMUNICATION_DTYPES)
     _check_choice("assignment_cost", group["assignment_cost"], ASSIGNMENT_COSTS)
     _check_choice("refresh_schedule", group["refresh_schedule"], REFRESH_SCHEDULES)

@@ -56,15 +56,32 @@ def _accelerate_world() -> bool:
 
 
 class Distributor:
-    """One process: every block is owned by rank 0 and nothing is communicated."""
+    """One process: every block is owned by rank 0 and nothing is communicated.
+
+    The optimizer drives a step through these methods, in this order: ``active_members``
+    (which blocks have a gradient), ``prepare_step`` (bring owned blocks' inputs to their
+    owner), ``stacked_grads`` / ``stacked_params`` (an owned stack's inputs), then
+    ``finish_step`` (share the directions and add every block's to its parameter).
+    Subclasses change where blocks live; none of them knows the algorithm.
+    """
 
     rank = 0
     world_size = 1
+    #: whether a rank's ``state_dict()`` holds only its own blocks
+    is_sharded_state = False
 
     def __init__(self, communication_dtype: torch.dtype = torch.float32) -> None:
         self.communication_dtype = communication_dtype
 
-    def assign(self, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    def global_rank_and_world(self) -> tuple[int, int]:
+        """This process's global rank and world size (0 and 1 in one process)."""
+        return 0, 1
+
+    def blocking_shape(self, param: Tensor) -> tuple[int, ...]:
+        """The shape a parameter is blocked as (SPEC §1: the full parameter's)."""
+        return tuple(param.shape)
+
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
         return [0] * len(block_shapes)
 
     def allocate_directions(self, stacks) -> None:
@@ -76,8 +93,107 @@ class Distributor:
     def needs_reallocation(self, stacks) -> bool:
         return any(s.directions is None or s.directions.device != s.device for s in stacks)
 
+    # ------------------------------------------------------------- one step
+    def active_members(self, stacks) -> dict[int, list[int]]:
+        """``id(stack)`` → positions of its blocks whose parameter has a gradient."""
+        return {id(stack): _active_members(stack) for stack in stacks}
+
+    def prepare_step(self, layout, active: dict[int, list[int]], needs_params) -> None:
+        """Bring the inputs of owned blocks to their owner (nothing to do here)."""
+
+    def stacked_grads(self, stack, active: list[int]) -> Tensor:
+        """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype."""
+        full = len(active) == len(stack.members)
+        return _stacked(stack, active, lambda p: p.grad, grad_buffer(stack) if full else None)
+
+    def stacked_params(self, stack, active: list[int], out: Tensor) -> Tensor:
+        """The parameter blocks of ``active`` members, into ``out``."""
+        return _stacked(stack, active, lambda p: p, out)
+
+    def finish_step(self, layout, active: dict[int, list[int]]) -> None:
+        """Share the owners' directions (``all_gather``) and add every block's to its
+        parameter."""
+        self.all_gather()
+        apply_directions(layout, active)
+
     def all_gather(self) -> None:
         pass
+
+
+def _active_members(stack) -> list[int]:
+    """Positions of the stack's blocks whose parameter has a gradient this step."""
+    active = []
+    for i, block in enumerate(stack.members):
+        grad = block.param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"DistributedShampoo does not support sparse gradients (parameter "
+                f"{block.name!r}); use a dense embedding (sparse=False)"
+            )
+        active.append(i)
+    return active
+
+
+def grad_buffer(stack) -> Tensor:
+    """The stack's persistent ``(n, *shape)`` gradient buffer (allocated once)."""
+    shape = (len(stack.members), *stack.shape)
+    buffer = stack.gathered_grad
+    if buffer is None or buffer.shape != shape or buffer.device != stack.device:
+        buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
+        stack.gathered_grad = buffer
+    return buffer
+
+
+def _stacked(stack, active: list[int], tensor_of, out: Tensor | None = None) -> Tensor:
+    """Copy the given members' blocks of ``tensor_of(param)`` into one ``(m, *shape)``
+    tensor of the stack's working dtype (``out`` when given)."""
+    pieces = []
+    for i in active:
+        block = stack.members[i]
+        piece = tensor_of(block.param).reshape(block.merged)
+        if block.slices is not None:
+            piece = piece[block.slices]
+        pieces.append(piece)
+    if out is None:
+        return torch.stack(pieces).to(stack.work_dtype)
+    if all(piece.dtype == out.dtype for piece in pieces):
+        return torch.stack(pieces, out=out)
+    for row, piece in zip(out, pieces):
+        row.copy_(piece)
+    return out
+
+
+def apply_directions(layout, active: dict[int, list[int]], tensor_of=lambda p: p) -> None:
+    """Add every block's direction (this rank's and the all-gathered ones) to its
+    parameter (``tensor_of(param)``); ``active`` holds the blocks with a gradient."""
+    targets: list[Tensor] = []
+    updates: list[Tensor] = []
+    assembled: dict[int, tuple[Tensor, Tensor]] = {}
+    for stack in layout.stacks:
+        for i in active[id(stack)]:
+            block = stack.members[i]
+            param, update = tensor_of(block.param), stack.directions[i]
+            blocking = layout.blockings[block.param_index]
+            if len(blocking.slices) == 1:
+                targets.append(param)
+                updates.append(update.view(param.shape))
+            elif blocking.can_view(param):
+                targets.append(param.view(blocking.merged)[blocking.slices[block.block_index]])
+                updates.append(update)
+            else:  # e.g. a channels_last weight cut into several blocks
+                full = assembled.get(block.param_index)
+                if full is None:
+                    full = (param, torch.zeros(blocking.merged, dtype=update.dtype,
+                                               device=update.device))
+                    assembled[block.param_index] = full
+                full[1][blocking.slices[block.block_index]] = update
+    for param, full in assembled.values():
+        targets.append(param)
+        updates.append(full.view(param.shape))
+    if targets:
+        torch._foreach_add_(targets, updates)
 
 
 class DataParallelDistributor(Distributor):
@@ -110,7 +226,14 @@ class DataParallelDistributor(Distributor):
         self.buffer: Tensor | None = None
         self.segment = 0
 
-    def assign(self, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    @property
+    def is_sharded_state(self) -> bool:  # type: ignore[override]
+        return self.world_size > 1
+
+    def global_rank_and_world(self) -> tuple[int, int]:
+        return dist.get_rank(), dist.get_world_size()
+
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
         costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
         return greedy_assignment(costs, self.world_size)
 
@@ -148,19 +271,65 @@ class DataParallelDistributor(Distributor):
 
 def make_distributor(
     mode: str,
+    params: Sequence[Tensor],
     num_trainers_per_group: int,
     communication_dtype: torch.dtype,
     assignment_cost: str = "memory",
+    fsdp_mode: str = "lossless",
+    current: Distributor | None = None,
+    final: bool = True,
 ) -> Distributor:
-    """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" (SPEC §4).
+    """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" | "fsdp".
 
-    "auto": Accelerate's world when its process state has set up distributed training,
-    else torch.distributed's default group when initialised with more than one rank, else
-    one process. "ddp" insists on a process group; "none" is always one process.
+    "auto": FSDP2 (``sharded.py``) when the parameters are ``fully_shard`` DTensors, else
+    Accelerate's world when its process state has set up distributed training, else
+    torch.distributed's default group when initialised with more than one rank, else one
+    process. "ddp" and "fsdp" insist on their kind; "none" is always one process.
+    ``current`` is kept when it is already the right one. ``final=False`` (at
+    construction, before Accelerate may swap in sharded parameters) defers the check that
+    "fsdp" has DTensors to the first step.
     """
+    from .sharded import (
+        LocalShardDistributor,
+        ShardedDistributor,
+        refuse_unsupported,
+        sharding_mesh,
+    )
+
+    grid = sharding_mesh(params)
+    if mode in ("none", "ddp") or (mode == "auto" and grid is None):
+        refuse_unsupported(params, sharded_ok=False)
+    else:
+        refuse_unsupported(params, sharded_ok=True)
     if mode == "none":
-        return Distributor()
+        return current if type(current) is Distributor else Distributor()
     initialised = dist.is_available() and dist.is_initialized()
+    if mode == "fsdp" or grid is not None:
+        if grid is None:
+            if final:
+                raise ValueError(
+                    "DistributedShampoo: distributed='fsdp' needs parameters sharded by "
+                    "torch.distributed.fsdp.fully_shard (FSDP2 DTensors); these are plain "
+                    "tensors. Shard the model before the first step, or use "
+                    "distributed='auto'"
+                )
+            return current or Distributor()
+        if num_trainers_per_group != -1:
+            raise ValueError(
+                f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} applies "
+                "to data-parallel training; with FSDP2 parameters blocks are spread over the "
+                "whole mesh (use -1)"
+            )
+        kind = ShardedDistributor if fsdp_mode == "lossless" else LocalShardDistributor
+        if type(current) is kind and current.grid == grid:
+            return current
+        if kind is ShardedDistributor:
+            return ShardedDistributor(grid, communication_dtype, assignment_cost)
+        return LocalShardDistributor(grid, communication_dtype)
+    if isinstance(current, DataParallelDistributor) or (
+        type(current) is Distributor and mode == "auto"
+    ):
+        return current
     if mode == "ddp":
         if not initialised:
             raise ValueError(

@@ -14,6 +14,7 @@ The class validates hyperparameters, lays parameters out as blocks and stacks
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,19 @@ from .config import (
     start_step,
     validate_group,
 )
-from .distributed import DataParallelDistributor, Distributor, greedy_assignment, make_distributor
+from .distributed import Distributor, greedy_assignment, make_distributor
 from .linalg import finite_rows
 from .stack import BlockRef, BlockStack, ShampooNumericalError, StackStep, Workspace
+
+
+class _StateMapping(defaultdict):
+    """``optimizer.state``: empty (the state lives in the stacks; ``state_dict()`` shows
+    it) but never falsy. ``torch.distributed.checkpoint.state_dict`` takes an empty
+    ``optimizer.state`` for "never stepped" and then runs a fake step with zero gradients
+    and lr=0, which here would decay the factor statistics and advance the step count."""
+
+    def __bool__(self) -> bool:
+        return True
 
 
 @dataclass
@@ -44,6 +55,7 @@ class Layout:
     blockings: dict[int, ParamBlocking]  # param_index → blocking
     stacks: list[BlockStack]  # every stack of every rank, in buffer order
     owned: list[BlockStack]  # the stacks whose state lives on this rank
+    params: list[int]  # ids of the parameters it was built for (Accelerate may swap them)
 
 
 class DistributedShampoo(torch.optim.Optimizer):
@@ -79,6 +91,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         grafting_epsilon: float = DEFAULTS["grafting_epsilon"],
         factor_matrix_dtype: torch.dtype = DEFAULTS["factor_matrix_dtype"],
         distributed: str = DEFAULTS["distributed"],
+        fsdp_mode: str = DEFAULTS["fsdp_mode"],
         communication_dtype: torch.dtype = DEFAULTS["communication_dtype"],
         num_trainers_per_group: int = DEFAULTS["num_trainers_per_group"],
         assignment_cost: str = DEFAULTS["assignment_cost"],
@@ -92,10 +105,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self._workspace = Workspace()
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
-        self._distributor: Distributor = make_distributor(
-            distributed, num_trainers_per_group, communication_dtype, assignment_cost
-        )
+        self._distributor: Distributor | None = None
         super().__init__(params, defaults)
+        self.state = _StateMapping(dict)
+        self._distributor = self._pick_distributor(final=False)
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -149,6 +162,17 @@ class DistributedShampoo(torch.optim.Optimizer):
                 self._extend_layout(self._layout)
 
     # ------------------------------------------------------------------ layout
+    def _all_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _pick_distributor(self, final: bool = True) -> Distributor:
+        d = self.defaults
+        return make_distributor(
+            d["distributed"], self._all_params(), d["num_trainers_per_group"],
+            d["communication_dtype"], d["assignment_cost"], d["fsdp_mode"],
+            current=self._distributor, final=final,
+        )
+
     def _blocks(self, group_indices: Iterable[int]) -> tuple[dict, list[BlockRef]]:
         blockings, blocks = {}, []
         offsets = [0]
@@ -160,7 +184,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             for k, param in enumerate(group["params"]):
                 index = offsets[gi] + k
                 name = names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
-                blocking = ParamBlocking.of(param.shape, group["max_preconditioner_dim"])
+                blocking = ParamBlocking.of(self._distributor.blocking_shape(param),
+                                            group["max_preconditioner_dim"])
                 blockings[index] = blocking
                 single = len(blocking.slices) == 1
                 blocks += [
@@ -171,7 +196,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
         owners = self._distributor.assign(
-            [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
+            blocks, [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
         )
         stacks: dict[tuple, BlockStack] = {}
         for block, owner in zip(blocks, owners):
@@ -186,10 +211,22 @@ class DistributedShampoo(torch.optim.Optimizer):
         return sorted(stacks.values(), key=lambda s: s.rank)
 
     def _ensure_layout(self) -> Layout:
+        params = [id(p) for p in self._all_params()]
+        if self._layout is not None and self._layout.params != params:
+            # Accelerate's FSDP2 prepare swaps in the sharded parameters after construction
+            if any(s.state for s in self._layout.owned):
+                raise RuntimeError(
+                    "DistributedShampoo: the optimizer's parameters were replaced after it "
+                    "took steps (e.g. the model was sharded after training began); its state "
+                    "belongs to the old parameters. Shard the model before the first step, "
+                    "or save the optimizer state and load it into a new optimizer"
+                )
+            self._layout = None
         if self._layout is None:
+            self._distributor = self._pick_distributor()
             blockings, blocks = self._blocks(range(len(self.param_groups)))
             stacks = self._make_stacks(blocks, blockings)
-            self._layout = Layout(blockings, stacks, [])
+            self._layout = Layout(blockings, stacks, [], params)
             self._finish_layout(self._layout)
         return self._layout
 
@@ -201,6 +238,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         layout.stacks = sorted(
             layout.stacks + self._make_stacks(blocks, blockings), key=lambda s: s.rank
         )
+        layout.params = [id(p) for p in self._all_params()]
         self._finish_layout(layout)
         return layout
 
@@ -225,7 +263,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._update_refresh_offsets(layout)
 
         # 1. gather gradients of owned stacks; decide what each block does this step
-        active_members = {id(stack): _active_members(stack) for stack in layout.stacks}
+        distributor = self._distributor
+        active_members = distributor.active_members(layout.stacks)
+        distributor.prepare_step(layout, active_members, self._needs_params)
         jobs: list[tuple[BlockStack, StackStep]] = []
         for stack in layout.owned:
             active = active_members[id(stack)]
@@ -235,7 +275,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             stack.materialize(group)
             full = len(active) == len(stack.members)
             state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
-            grad = _stacked(stack, active, lambda p: p.grad, _grad_buffer(stack) if full else None)
+            grad = distributor.stacked_grads(stack, active)
             if group["weight_decay"] > 0 and group["weight_decay_type"] == "l2":  # §2 line 1
                 grad.add_(self._stacked_params(stack, active), alpha=group["weight_decay"])
             jobs.append((stack, _plan(stack, group, steps[stack.group_index], active, state, grad)))
@@ -278,47 +318,20 @@ class DistributedShampoo(torch.optim.Optimizer):
                 stack.state[name].index_copy_(0, index, tensor)
 
         # 4. share directions between ranks; 5. apply every block's direction
-        self._distributor.all_gather()
-        self._apply(layout, active_members)
+        distributor.finish_step(layout, active_members)
         for group, t in zip(self.param_groups, steps):
             group["step"] = t
         return loss
-
-    def _apply(self, layout: Layout, active_members: dict[int, list[int]]) -> None:
-        """Add every block's direction (this rank's and the all-gathered ones) to its
-        parameter; ``active_members`` are the blocks with a gradient this step."""
-        targets: list[Tensor] = []
-        updates: list[Tensor] = []
-        assembled: dict[int, tuple[Tensor, Tensor]] = {}
-        for stack in layout.stacks:
-            for i in active_members[id(stack)]:
-                block = stack.members[i]
-                param, update = block.param, stack.directions[i]
-                blocking = layout.blockings[block.param_index]
-                if len(blocking.slices) == 1:
-                    targets.append(param)
-                    updates.append(update.view(param.shape))
-                elif blocking.can_view(param):
-                    targets.append(param.view(blocking.merged)[blocking.slices[block.block_index]])
-                    updates.append(update)
-                else:  # e.g. a channels_last weight cut into several blocks
-                    full = assembled.get(block.param_index)
-                    if full is None:
-                        full = (param, torch.zeros(blocking.merged, dtype=update.dtype,
-                                                   device=update.device))
-                        assembled[block.param_index] = full
-                    full[1][blocking.slices[block.block_index]] = update
-        for param, full in assembled.values():
-            targets.append(param)
-            updates.append(full.view(param.shape))
-        if targets:
-            torch._foreach_add_(targets, updates)
 
     def _stacked_params(self, stack: BlockStack, active: list[int]) -> Tensor:
         """The members' parameter blocks, stacked into workspace memory (used at once)."""
         shape = (len(active), *stack.shape)
         out = self._workspace.get("param", shape, stack.work_dtype, stack.device)
-        return _stacked(stack, active, lambda p: p, out)
+        return self._distributor.stacked_params(stack, active, out)
+
+    def _needs_params(self, stack: BlockStack) -> bool:
+        """Whether the stack's owner needs the parameter blocks (weight decay)."""
+        return self.param_groups[stack.group_index]["weight_decay"] > 0
 
     def _update_refresh_offsets(self, layout: Layout) -> None:
         """Give every block its schedule offset (SPEC §2 with ``refresh_schedule``).
@@ -364,14 +377,19 @@ class DistributedShampoo(torch.optim.Optimizer):
         """The state of the blocks this rank owns (the whole state in one process)."""
         layout = self._ensure_layout()
         d = self._distributor
-        complete = not isinstance(d, DataParallelDistributor) or d.world_size == 1
-        return checkpoint.pack(self.param_groups, layout.owned, *self._rank_and_world(), complete)
+        for stack in layout.owned:  # every owned block has state, also before its first step
+            stack.materialize(self.param_groups[stack.group_index])
+        return checkpoint.pack(self.param_groups, layout.owned, *self._rank_and_world(),
+                               not d.is_sharded_state, self._key_prefix())
 
     def _rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and world size (0 and 1 in one process)."""
-        if isinstance(self._distributor, DataParallelDistributor):
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        return self._distributor.global_rank_and_world()
+
+    def _key_prefix(self) -> str:
+        """Prefix of state keys (``fsdp_mode="local"``: which shard the blocks cut)."""
+        prefix = getattr(self._distributor, "state_key_prefix", None)
+        return prefix() if prefix is not None else ""
 
     def consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
         """Gather every rank's blocks onto global rank ``to`` (a collective: every rank
@@ -381,7 +399,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         rank. Tools that save on one rank only (Trainer, Accelerate) call this first; in
         one process it does nothing."""
         self._consolidated = None
-        if not isinstance(self._distributor, DataParallelDistributor):
+        self._ensure_layout()
+        if not self._distributor.is_sharded_state:
             return
         world, rank = dist.get_world_size(), dist.get_rank()
         destinations = range(world) if to is None else [to] if isinstance(to, int) else list(to)
@@ -403,18 +422,21 @@ class DistributedShampoo(torch.optim.Optimizer):
         another model or another blocking with a ``ValueError`` before changing anything.
         """
         layout = self._ensure_layout()
-        checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world())
+        checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world(),
+                          self._key_prefix(), layout.blockings)
         self._consolidated = None
 
     def owned_state_keys(self) -> list[tuple[int, str]]:
         """``(param_index, "block_{b}.{name}")`` of every state tensor this rank holds or
         will hold (used to load sharded checkpoints)."""
         layout = self._ensure_layout()
+        prefix = self._key_prefix()
         keys = []
         for stack in layout.owned:
             names = stack.expected_state(self.param_groups[stack.group_index])
             for block in stack.members:
-                keys += [(block.param_index, f"block_{block.block_index}.{n}") for n in names]
+                keys += [(block.param_index, f"{prefix}block_{block.block_index}.{n}")
+                         for n in names]
         return keys
 
     def describe_blocks(self) -> list[dict[str, Any]]:
@@ -426,22 +448,6 @@ class DistributedShampoo(torch.optim.Optimizer):
              "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0}
             for s in layout.stacks for i, b in enumerate(s.members)
         ]
-
-
-def _active_members(stack: BlockStack) -> list[int]:
-    """Positions of the stack's blocks whose parameter has a gradient this step."""
-    active = []
-    for i, block in enumerate(stack.members):
-        grad = block.param.grad
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"DistributedShampoo does not support sparse gradients (parameter "
-                f"{block.name!r}); use a dense embedding (sparse=False)"
-            )
-        active.append(i)
-    return active
 
 
 def _plan(
@@ -457,30 +463,3 @@ def _plan(
     return StackStep(group, step, active, state, grad, None, refresh, first, grafting)
 
 
-def _grad_buffer(stack: BlockStack) -> Tensor:
-    """The stack's persistent ``(n, *shape)`` gradient buffer (allocated once)."""
-    shape = (len(stack.members), *stack.shape)
-    buffer = stack.gathered_grad
-    if buffer is None or buffer.shape != shape or buffer.device != stack.device:
-        buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
-        stack.gathered_grad = buffer
-    return buffer
-
-
-def _stacked(stack: BlockStack, active: list[int], tensor_of, out: Tensor | None = None) -> Tensor:
-    """Copy the given members' blocks of ``tensor_of(param)`` into one ``(m, *shape)``
-    tensor of the stack's working dtype (``out`` when given)."""
-    pieces = []
-    for i in active:
-        block = stack.members[i]
-        piece = tensor_of(block.param).reshape(block.merged)
-        if block.slices is not None:
-            piece = piece[block.slices]
-        pieces.append(piece)
-    if out is None:
-        return torch.stack(pieces).to(stack.work_dtype)
-    if all(piece.dtype == out.dtype for piece in pieces):
-        return torch.stack(pieces, out=out)
-    for row, piece in zip(out, pieces):
-        row.copy_(piece)
-    return out
