@@ -32,11 +32,13 @@ def pack(
     without state. ``prefix`` starts every key (``fsdp_mode="local"``)."""
     groups, index = [], 0
     for group in param_groups:
-        packed = {k: v for k, v in group.items() if k != "params"}
+        packed = {k: _encode(v) for k, v in group.items() if k != "params"}
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    # an entry for every parameter, also one whose blocks another rank owns:
+    # torch.distributed.checkpoint's set_optimizer_state_dict (strict) wants one per parameter
+    state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(index)}
     for stack in owned_stacks:
         if not stack.state:
             continue
@@ -46,6 +48,34 @@ def pack(
                 entry[f"{prefix}block_{block.block_index}.{name}"] = tensor[i]
     shard = {"rank": rank, "world_size": world_size, "complete": complete}
     return {"state": state, "param_groups": groups, "shard": shard}
+
+
+_DTYPE_PREFIX = "torch."
+
+
+def _encode(value: Any) -> Any:
+    """Group values as plain Python: dtypes become their names ("torch.float32"), which
+    torch.distributed.checkpoint's state-dict helpers can gather and broadcast."""
+    return str(value) if isinstance(value, torch.dtype) else value
+
+
+def _decode(key: str, value: Any) -> Any:
+    """Undo ``_encode`` and what torch's full-state-dict helpers do to group values
+    (tuples become lists, integer dict keys become strings)."""
+    if isinstance(value, str) and value.startswith(_DTYPE_PREFIX):
+        dtype = getattr(torch, value[len(_DTYPE_PREFIX):], None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    if key == "betas" and isinstance(value, list):
+        return tuple(value)
+    if key == "inverse_exponent_override" and isinstance(value, dict):
+        return {_int_key(k): ({_int_key(d): e for d, e in v.items()} if isinstance(v, dict)
+                              else v) for k, v in value.items()}
+    return value
+
+
+def _int_key(key: Any) -> Any:
+    return int(key) if isinstance(key, str) and key.isdigit() else key
 
 
 def to_cpu(state: dict) -> dict:
@@ -104,6 +134,7 @@ def unpack(
     index = 0
     merged_groups = []
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        saved = {k: _decode(k, v) for k, v in saved.items()}
         if len(saved["params"]) != len(group["params"]):
             _refuse(
                 f"group {gi} has {len(saved['params'])} parameters in it, "

@@ -266,7 +266,9 @@ class DataParallelDistributor(Distributor):
             return
         # In place: this rank's input is its own slice of the output buffer.
         local = self.buffer[self.rank * self.segment : (self.rank + 1) * self.segment]
-        dist.all_gather_into_tensor(self.buffer, local, group=self.process_group)
+        # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.14)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(self.buffer, local, group=self.process_group)
 
 
 def make_distributor(

@@ -212,15 +212,17 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _ensure_layout(self) -> Layout:
         params = [id(p) for p in self._all_params()]
+        carried = None
         if self._layout is not None and self._layout.params != params:
             # Accelerate's FSDP2 prepare swaps in the sharded parameters after construction
-            if any(s.state for s in self._layout.owned):
-                raise RuntimeError(
-                    "DistributedShampoo: the optimizer's parameters were replaced after it "
-                    "took steps (e.g. the model was sharded after training began); its state "
-                    "belongs to the old parameters. Shard the model before the first step, "
-                    "or save the optimizer state and load it into a new optimizer"
-                )
+            # (having called state_dict() / load_state_dict() on the unsharded ones). State
+            # that training or a load put there moves to the new layout by block identity.
+            if any(group["step"] > 0 for group in self.param_groups):
+                old = self._layout
+                carried = checkpoint.pack(self.param_groups, old.owned,
+                                          *self._rank_and_world(),
+                                          not self._distributor.is_sharded_state,
+                                          self._key_prefix())
             self._layout = None
         if self._layout is None:
             self._distributor = self._pick_distributor()
@@ -228,6 +230,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             stacks = self._make_stacks(blocks, blockings)
             self._layout = Layout(blockings, stacks, [], params)
             self._finish_layout(self._layout)
+            if carried is not None:
+                checkpoint.unpack(carried, self.param_groups, self._layout.owned,
+                                  *self._rank_and_world(), self._key_prefix(),
+                                  self._layout.blockings)
         return self._layout
 
     def _extend_layout(self, layout: Layout) -> Layout:
@@ -369,8 +375,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         After ``consolidate_state_dict(to=r)``, rank ``r`` returns the state of every
         rank's blocks instead, until the next ``step()``.
         """
-        if self._consolidated is not None:
-            return self._consolidated
+        if self._consolidated is not None:  # a new dict each time: callers edit it in place
+            c = self._consolidated
+            return {"state": {i: dict(e) for i, e in c["state"].items()},
+                    "param_groups": [dict(g) for g in c["param_groups"]], "shard": c["shard"]}
         return self.local_state_dict()
 
     def local_state_dict(self) -> dict[str, Any]:

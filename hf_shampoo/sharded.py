@@ -74,7 +74,7 @@ def refuse_unsupported(
     meshes = set()
     for index, param in enumerate(params):
         where = _describe(index, param, names)
-        if getattr(param, "_is_flat_param", False) or type(param).__name__ == "FlatParameter":
+        if getattr(param, "_is_flat_param", False) or getattr(param, "_fsdp_flattened", False):
             raise ValueError(
                 f"DistributedShampoo: parameter {where} is an FSDP1 FlatParameter. "
                 f"{_SUPPORTED}. Shard the model with torch.distributed.fsdp.fully_shard "
@@ -272,6 +272,7 @@ class ShardedDistributor(Distributor):
         """Direction tensors of owned stacks, and the step's communication plan."""
         self.pieces_in, self.pieces_out = [], []
         self.directions_in, self.directions_out, self.local_pieces = [], [], []
+        self._device = stacks[0].device if stacks else torch.device("cpu")
         my_replica, my_shard = self.coordinate
         for stack in stacks:
             mine = stack.rank == self.rank
@@ -315,6 +316,7 @@ class ShardedDistributor(Distributor):
     def active_members(self, stacks) -> dict[int, list[int]]:
         """Blocks of parameters that have a gradient on any rank (one ``all_reduce``), so
         that every rank agrees on what moves this step."""
+        self.bytes_last_step = 0
         params: dict[int, Tensor] = {}
         for stack in stacks:
             for block in stack.members:
@@ -334,13 +336,10 @@ class ShardedDistributor(Distributor):
         dtype = _exchange_dtype(layout.stacks)
         self._params_of = {id(s): needs_params(s) for s in layout.stacks}
         for stack in layout.stacks:
-            if stack.rank != self.rank:
-                continue
-            if active[id(stack)]:
-                buffer = _owned_buffer(stack, "gathered_grad")
+            if stack.rank == self.rank and active[id(stack)]:
+                _owned_buffer(stack, "gathered_grad")
                 if self._params_of[id(stack)]:
                     _owned_buffer(stack, "gathered_param")
-                del buffer
 
         def pieces_of(tensor_name):
             def take(piece: Piece):
@@ -449,8 +448,6 @@ class ShardedDistributor(Distributor):
         self.bytes_last_step += (buffer.numel() + out.numel()) * dtype.itemsize
         dist.all_to_all_single(out, buffer, recv_sizes, send_sizes)
         return list(out.split(recv_sizes))
-
-    _device = torch.device("cpu")
 
 
 def _comm_device(device: torch.device) -> torch.device:

@@ -103,6 +103,7 @@ class BlockStack:
     # per member: steps by which its refresh schedule is delayed (refresh_schedule)
     refresh_offsets: list[int] = field(default_factory=list)
     gathered_grad: Tensor | None = field(default=None, repr=False)  # reused every step
+    gathered_param: Tensor | None = field(default=None, repr=False)  # FSDP owners: weights
 
     @property
     def order(self) -> int:

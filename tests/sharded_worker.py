@@ -1,0 +1,234 @@
+"""Scenarios run on every rank of a gloo group for tests/test_sharded.py (SPEC §8).
+
+Parameters are FSDP2 DTensors: ``(Shard(0),)`` on a 1-D mesh, or ``(Replicate(), Shard(0))``
+on a 2x2 HSDP mesh. Gradients are the single-process gradients of
+``distributed_worker.set_grads``, distributed the way FSDP's reduce-scatter leaves them, so
+that the parameters can be compared bit for bit with one process. ``run_world`` is the
+``mp.spawn`` entry; it saves one result file per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from hf_shampoo import DistributedShampoo
+from tests import distributed_worker as ddp_worker
+
+# rows not divisible by 2, 3 or 4; (40, 20) and (5, 4) have blocks that span shards; (2, 5)
+# leaves a rank of a 3-way mesh without rows; (3,) stays a plain (replicated) parameter
+SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), (2, 5), (3,)]
+PLAIN = {5}
+NO_GRAD = {1: (2, 3)}  # parameter 1 has no gradient at steps 2 and 3
+SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (
+    "shampoo_adam", "eigen_qr", "rmsprop_nesterov_l2", "adagrad_corrected_beta3",
+    "staggered_eigen_qr", "bf16_communication")}
+SCENARIOS["decoupled_momentum"] = dict(lr=0.01, grafting="adam", momentum=0.5,
+                                       weight_decay=0.05, precondition_frequency=2,
+                                       max_preconditioner_dim=16)
+SCENARIOS["compute_cost_f64"] = dict(lr=0.01, grafting="sgd", precondition_frequency=3,
+                                     max_preconditioner_dim=8, assignment_cost="compute",
+                                     factor_matrix_dtype=torch.float64)
+STEPS = 5
+
+
+def full_params(shapes=SHAPES) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def full_grads(step: int, shapes=SHAPES, no_grad=NO_GRAD) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for i, s in enumerate(shapes):
+        grad = torch.randn(s, generator=g)
+        out.append(None if step in no_grad.get(i, ()) else grad)
+    return out
+
+
+def placements(mesh):
+    return [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+
+
+def sharded_params(mesh, shapes=SHAPES, plain=PLAIN) -> list[torch.nn.Parameter]:
+    out = []
+    for i, tensor in enumerate(full_params(shapes)):
+        if i in plain:
+            out.append(torch.nn.Parameter(tensor))
+        else:
+            out.append(torch.nn.Parameter(distribute_tensor(tensor, mesh, placements(mesh))))
+    return out
+
+
+def set_sharded_grads(params, mesh, step: int, shapes=SHAPES) -> None:
+    for p, grad in zip(params, full_grads(step, shapes)):
+        if grad is None:
+            p.grad = None
+        elif isinstance(p, torch.distributed.tensor.DTensor):
+            p.grad = distribute_tensor(grad, mesh, placements(mesh))
+        else:
+            p.grad = grad
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    if isinstance(tensor, torch.distributed.tensor.DTensor):
+        return tensor.full_tensor().detach().clone()
+    return tensor.detach().clone()
+
+
+def train_one_process(config: dict, steps: int = STEPS, shapes=SHAPES):
+    """The reference: the same parameters and gradients, plain tensors, one process."""
+    params = [torch.nn.Parameter(t) for t in full_params(shapes)]
+    opt = DistributedShampoo(params, **{**config, "distributed": "none"})
+    for step in range(1, steps + 1):
+        for p, grad in zip(params, full_grads(step, shapes)):
+            p.grad = grad
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def train(mesh, config: dict, steps: int = STEPS, params=None, optimizer=None,
+          first_step: int = 1, between=None):
+    params = params if params is not None else sharded_params(mesh)
+    opt = optimizer or DistributedShampoo(params, **config)
+    for step in range(first_step, first_step + steps):
+        set_sharded_grads(params, mesh, step)
+        opt.step()
+        if between is not None:
+            between(step, params, opt)
+    return params, opt
+
+
+def as_module(params) -> torch.nn.Module:
+    module = torch.nn.Module()
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+    return module
+
+
+def state_numel(opt) -> int:
+    return sum(t.numel() for entry in opt.local_state_dict()["state"].values()
+               for t in entry.values())
+
+
+def _checkpoints(mesh, out_dir: str, resume_dir: str | None, results: dict) -> None:
+    config = SCENARIOS["shampoo_adam"]
+    world = dist.get_world_size()
+    # save through torch's helpers at step 3 (grads cleared first, as after zero_grad),
+    # then go on: the save must not change the trajectory
+    path = os.path.join(out_dir, f"dcp{world}")
+
+    def save_at_3(step, params, opt):
+        if step == 3:
+            opt.zero_grad(set_to_none=True)
+            model = as_module(params)
+            state = get_optimizer_state_dict(model, opt)
+            dcp.save({"optimizer": state}, checkpoint_id=path)
+            if dist.get_rank() == 0:
+                torch.save([full(p) for p in params], os.path.join(path, "params.pt"))
+            else:
+                [full(p) for p in params]  # full_tensor is a collective
+            results["saved_keys"] = sorted(str(k) for k in state["state"])
+
+    params, _ = train(mesh, config, steps=6, between=save_at_3)
+    results["dcp_uninterrupted"] = [full(p) for p in params]
+
+    # full state dict after consolidation onto every rank, loaded back into a fresh optimizer
+    params, opt = train(mesh, config, steps=3)
+    opt.consolidate_state_dict(to=None)
+    model = as_module(params)
+    full_state = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+        full_state_dict=True))
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = DistributedShampoo(fresh_params, **config)
+    set_optimizer_state_dict(as_module(fresh_params), fresh, full_state,
+                             options=StateDictOptions(full_state_dict=True))
+    train(mesh, config, steps=3, params=fresh_params, optimizer=fresh, first_step=4)
+    results["full_resumed"] = [full(p) for p in fresh_params]
+
+    if resume_dir is not None:  # another world size's sharded checkpoint, resumed here
+        saved = torch.load(os.path.join(resume_dir, "params.pt"), weights_only=True)
+        params = [torch.nn.Parameter(distribute_tensor(t, mesh, placements(mesh)))
+                  if i not in PLAIN else torch.nn.Parameter(t) for i, t in enumerate(saved)]
+        opt = DistributedShampoo(params, **config)
+        model = as_module(params)
+        state = {"optimizer": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=resume_dir)
+        set_optimizer_state_dict(model, opt, state["optimizer"])
+        train(mesh, config, steps=3, params=params, optimizer=opt, first_step=4)
+        results["dcp_resumed"] = [full(p) for p in params]
+
+
+def _local_mode(mesh, results: dict) -> None:
+    """fsdp_mode="local" equals one process run on this rank's local shards."""
+    config = dict(SCENARIOS["shampoo_adam"], fsdp_mode="local")
+    params, opt = train(mesh, config)
+    results["local_params"] = [p.to_local().detach().clone()
+                               if isinstance(p, torch.distributed.tensor.DTensor)
+                               else p.detach().clone() for p in params]
+    results["local_kind"] = type(opt._distributor).__name__
+    results["local_state_keys"] = sorted(
+        k for entry in opt.state_dict()["state"].values() for k in entry)
+
+
+def _fully_shard_model(mesh, results: dict) -> None:
+    """A real fully_shard model with backward: every rank ends with the same parameters,
+    close to one process (the reduce-scatter rounds differently from a local sum)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    reference = [p.detach().clone() for p in model.parameters()]
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = DistributedShampoo(model.parameters(), **ddp_worker.WRAPPED_CONFIG)
+    data = torch.Generator().manual_seed(7)
+    world = dist.get_world_size()
+    x, y = torch.randn(4 * world, 6, generator=data), torch.randn(4 * world, 3, generator=data)
+    shard = slice(dist.get_rank() * 4, (dist.get_rank() + 1) * 4)
+    for _ in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+    results["model"] = {"params": [full(p) for p in model.parameters()],
+                        "initial": reference, "kind": type(opt._distributor).__name__}
+
+
+def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: str | None,
+              hsdp: bool = False):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            if hsdp else init_device_mesh("cpu", (world,)))
+    results: dict = {}
+    try:
+        for name, config in SCENARIOS.items():
+            params, opt = train(mesh, config)
+            results[name] = {"params": [full(p) for p in params],
+                             "state_numel": state_numel(opt),
+                             "kind": type(opt._distributor).__name__,
+                             "bytes": opt._distributor.bytes_last_step}
+        _checkpoints(mesh, out_dir, resume_dir, results)
+        _local_mode(mesh, results)
+        _fully_shard_model(mesh, results)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        results["error"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

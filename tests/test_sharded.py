@@ -1,0 +1,184 @@
+"""FSDP2 / HSDP Shampoo on CPU with gloo (SPEC §8): 2 and 3 ranks on a 1-D mesh and a 2x2
+HSDP mesh on 4 ranks, each against one process.
+
+One spawn per mesh runs every scenario of ``sharded_worker.py``; the 3-rank run resumes
+the 2-rank run's checkpoint and the HSDP run the 3-rank one's, through
+``torch.distributed.checkpoint`` and its ``get/set_optimizer_state_dict`` helpers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hf_shampoo import DistributedShampoo
+from tests import sharded_worker as worker
+
+torch.set_num_threads(1)
+MESHES = {"w2": (2, False, None), "w3": (3, False, "w2"), "hsdp": (4, True, "w3")}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    root = tempfile.mkdtemp(prefix="hf_shampoo_fsdp_")
+    out = {}
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for name, (world, hsdp, resume) in MESHES.items():
+            out_dir = os.path.join(root, name)
+            os.makedirs(out_dir)
+            resume_dir = None
+            if resume is not None:
+                resume_dir = os.path.join(root, resume, f"dcp{MESHES[resume][0]}")
+            mp.spawn(worker.run_world,
+                     args=(world, os.path.join(root, f"init_{name}"), out_dir, resume_dir, hsdp),
+                     nprocs=world, join=True)
+            out[name] = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+                         for r in range(world)]
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+    for name, results in out.items():
+        errors = [r["error"] for r in results if "error" in r]
+        assert not errors, f"{name}: {errors[0]}"
+    return out
+
+
+def _assert_bitwise(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+EXACT = [n for n in worker.SCENARIOS if n not in ("bf16_communication", "compute_cost_f64")]
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("scenario", EXACT)
+def test_bit_identical_to_one_process(runs, mesh, scenario):
+    expected = worker.train_one_process(worker.SCENARIOS[scenario])
+    for rank_result in runs[mesh]:
+        assert rank_result[scenario]["kind"] == "ShardedDistributor"
+        _assert_bitwise(rank_result[scenario]["params"], expected)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_rounded_communication_close_and_identical_across_ranks(runs, mesh):
+    for scenario, atol in (("bf16_communication", 5e-4), ("compute_cost_f64", 1e-6)):
+        # bf16: each update rounded to 8 bits of mantissa; float64 factors: the float64
+        # update travels (and is applied) as float32, as under DDP
+        expected = worker.train_one_process(worker.SCENARIOS[scenario])
+        first = runs[mesh][0][scenario]["params"]
+        for rank_result in runs[mesh]:
+            got = rank_result[scenario]["params"]
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, rtol=0, atol=atol)
+            _assert_bitwise(got, first)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_each_rank_holds_its_share_of_the_state(runs, mesh):
+    params = [torch.nn.Parameter(t) for t in worker.full_params()]
+    opt = DistributedShampoo(params, **worker.SCENARIOS["shampoo_adam"])
+    for p, g in zip(params, worker.full_grads(1)):
+        p.grad = g
+    opt.step()
+    total = sum(t.numel() for e in opt.state_dict()["state"].values() for t in e.values())
+    shares = [r["shampoo_adam"]["state_numel"] for r in runs[mesh]]
+    assert sum(shares) == total  # every block once, on one rank of the whole mesh
+    assert max(shares) <= 1.6 * total / len(shares)  # tiny model: a few blocks per rank
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_every_rank_moves_some_bytes_and_only_rows_it_lacks(runs, mesh):
+    # gradients + directions of the rows whose owner does not hold them: far less than
+    # all-gathering every parameter (Σ numel · world) and sending it back
+    numel = sum(t.numel() for t in worker.full_params())
+    world = len(runs[mesh])
+    for rank_result in runs[mesh]:
+        sent_and_received = rank_result["shampoo_adam"]["bytes"]
+        assert 0 < sent_and_received < 2 * 4 * numel
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_saving_through_dcp_helpers_does_not_change_the_trajectory(runs, mesh):
+    expected = worker.train_one_process(worker.SCENARIOS["shampoo_adam"], steps=6)
+    for rank_result in runs[mesh]:
+        _assert_bitwise(rank_result["dcp_uninterrupted"], expected)
+    keys = [set(r["saved_keys"]) for r in runs[mesh]]
+    assert set().union(*keys) == {f"p{i}" for i in range(len(worker.SHAPES))}
+
+
+@pytest.mark.parametrize("mesh", ["w3", "hsdp"])
+def test_sharded_checkpoint_resumes_at_another_world_size(runs, mesh):
+    expected = worker.train_one_process(worker.SCENARIOS["shampoo_adam"], steps=6)
+    for rank_result in runs[mesh]:
+        _assert_bitwise(rank_result["dcp_resumed"], expected)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_full_state_dict_after_consolidation_round_trips(runs, mesh):
+    expected = worker.train_one_process(worker.SCENARIOS["shampoo_adam"], steps=6)
+    for rank_result in runs[mesh]:
+        _assert_bitwise(rank_result["full_resumed"], expected)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_local_mode_is_one_process_on_each_local_shard(runs, mesh):
+    world = len(runs[mesh])
+    shards = 2 if mesh == "hsdp" else world
+    config = dict(worker.SCENARIOS["shampoo_adam"])
+    for rank, rank_result in enumerate(runs[mesh]):
+        assert rank_result["local_kind"] == "LocalShardDistributor"
+        shard = rank % shards
+        local_params = []
+        for i, tensor in enumerate(worker.full_params()):
+            local = tensor if i in worker.PLAIN else tensor.tensor_split(
+                [min(k * -(-tensor.shape[0] // shards), tensor.shape[0])
+                 for k in range(1, shards)])[shard]
+            local_params.append(torch.nn.Parameter(local.clone()))
+        opt = DistributedShampoo(local_params, **config)
+        for step in range(1, worker.STEPS + 1):
+            for i, (p, g) in enumerate(zip(local_params, worker.full_grads(step))):
+                if g is not None and i not in worker.PLAIN:
+                    g = g.tensor_split([min(k * -(-g.shape[0] // shards), g.shape[0])
+                                        for k in range(1, shards)])[shard]
+                p.grad = None if g is None else g.clone()
+            opt.step()
+        _assert_bitwise(rank_result["local_params"], [p.detach() for p in local_params])
+        assert all(k.startswith(f"shard{shard}of{shards}.block_")
+                   for k in rank_result["local_state_keys"])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_fully_shard_model_with_backward_and_clipping(runs, mesh):
+    from tests.distributed_worker import WRAPPED_CONFIG
+
+    results = [r["model"] for r in runs[mesh]]
+    world = len(results)
+    for r in results:
+        assert r["kind"] == "ShardedDistributor"
+        _assert_bitwise(r["params"], results[0]["params"])
+    # one process on the whole batch (the ranks' equal-size shards average to it)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    _assert_bitwise([p.detach() for p in model.parameters()], results[0]["initial"])
+    opt = DistributedShampoo(model.parameters(), **WRAPPED_CONFIG)
+    data = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4 * world, 6, generator=data), torch.randn(4 * world, 3, generator=data)
+    replicas = 2 if mesh == "hsdp" else 1
+    del replicas  # HSDP averages over replicas too: the same full batch
+    for _ in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+    for got, want in zip(results[0]["params"], model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
