@@ -1,9 +1,10 @@
 """Accelerate adapter: checkpoints of a sharded ``DistributedShampoo`` under ``Accelerator``.
 
 Under data parallelism every rank holds the state of its own blocks only, and
-``accelerator.save_state`` writes the optimizer from the main process. So before it saves,
-every rank must call ``consolidate_state_dict()`` (a collective); then the main process's
-``state_dict()`` holds every block. Either call ``save_state(accelerator, output_dir)``
+``accelerator.save_state`` writes the optimizer from the main process (DDP, and FSDP2 with
+a full state dict). So before it saves, every rank must call ``consolidate_state_dict()``
+(a collective); then the main process's ``state_dict()`` holds every block. (FSDP2 with a
+sharded state dict needs nothing: every rank writes its own blocks.) Either call ``save_state(accelerator, output_dir)``
 instead of ``accelerator.save_state(output_dir)``, or register the consolidation once with
 ``register_checkpoint_hook(accelerator, optimizer)``. ``accelerator.load_state`` needs nothing:
 every rank loads the full file (``weights_only=True``) and keeps the blocks it owns, at any
@@ -78,16 +79,33 @@ def save_state(
     return accelerator.save_state(output_dir, **kwargs)
 
 
-def register_checkpoint_hook(accelerator: Any, *optimizers: Any) -> Any:
+class _SaveStateHandle:
+    """Undoes ``register_checkpoint_hook`` (``remove()``), like torch's hook handles."""
+
+    def __init__(self, accelerator: Any, original: Any) -> None:
+        self._accelerator, self._original = accelerator, original
+
+    def remove(self) -> None:
+        if self._original is not None:
+            self._accelerator.save_state = self._original
+            self._original = None
+
+
+def register_checkpoint_hook(accelerator: Any, *optimizers: Any) -> _SaveStateHandle:
     """Make every later ``accelerator.save_state(...)`` consolidate these optimizers first.
 
-    Uses Accelerate's public ``register_save_state_pre_hook``, which runs on every rank
-    before the optimizer states are collected; returns its removable handle.
+    Accelerate's own ``register_save_state_pre_hook`` runs after an FSDP optimizer has
+    been written, too late for a full state dict, so this wraps the accelerator's
+    ``save_state`` instead (this accelerator only). Returns a handle whose ``remove()``
+    undoes it.
     """
     if not optimizers:
         raise ValueError("register_checkpoint_hook: pass the optimizer(s) to consolidate")
+    original = accelerator.save_state
 
-    def consolidate_before_save(models, weights, output_dir):  # Accelerate's hook signature
+    def save_state_consolidated(*args: Any, **kwargs: Any) -> str:
         consolidate(list(optimizers), to=0)
+        return original(*args, **kwargs)
 
-    return accelerator.register_save_state_pre_hook(consolidate_before_save)
+    accelerator.save_state = save_state_consolidated
+    return _SaveStateHandle(accelerator, original)
