@@ -4,7 +4,9 @@ This module knows ranks, assignment and buffers, and nothing of the algorithm. E
 block is assigned to one rank of its trainer group by greedy longest-processing-time
 first; the owner computes the block's ``-lr * P`` into its slice of one flat buffer, and one
 all-gather fills the buffer on every rank of the group. In one process there is one rank,
-each stack gets its own direction tensor and nothing is communicated.
+each stack gets its own direction tensor and nothing is communicated. ``Distributor``
+defines the interface the optimizer's step drives; ``sharded.py`` holds the FSDP2 / HSDP
+distributors, and ``make_distributor`` picks one from ``distributed`` and the parameters.
 """
 
 from __future__ import annotations

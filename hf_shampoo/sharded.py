@@ -136,20 +136,26 @@ class RowSharding:
 
     @classmethod
     def of(cls, param: Tensor, merged: tuple[int, ...], num_shards: int) -> RowSharding:
-        rows = merged[0]
         if not is_dtensor(param):
-            return cls(((0, rows),), True)
-        numel = math.prod(param.shape)
-        dim0 = param.shape[0] if param.dim() > 0 else 1
+            return cls(((0, merged[0]),), True)
+        return cls.for_shape(tuple(param.shape), merged, num_shards)
+
+    @classmethod
+    def for_shape(cls, shape: tuple[int, ...], merged: tuple[int, ...],
+                  num_shards: int) -> RowSharding:
+        """Rows of each shard of a parameter of this (full) shape, dim 0 chunked."""
+        numel, rows = math.prod(shape), merged[0]
+        dim0 = shape[0] if len(shape) > 0 else 1
         chunk = -(-dim0 // num_shards)
-        row_numel = numel // rows if rows else 0
+        row_numel = numel // rows if rows else 0  # elements of one merged row
+        per_row = numel // dim0 if dim0 else 0  # elements of one dim-0 row
         ranges = []
         for s in range(num_shards):
             lo, hi = min(s * chunk, dim0), min((s + 1) * chunk, dim0)
-            # flat element range of the shard, in merged rows (whole rows: see docstring)
-            per_row = numel // dim0 if dim0 else 0
-            ranges.append((lo * per_row // row_numel if row_numel else 0,
-                           hi * per_row // row_numel if row_numel else 0))
+            if row_numel == 0:
+                ranges.append((0, 0))
+                continue
+            ranges.append((lo * per_row // row_numel, hi * per_row // row_numel))
         return cls(tuple(ranges), False)
 
 

@@ -37,6 +37,11 @@ SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (
 SCENARIOS["decoupled_momentum"] = dict(lr=0.01, grafting="adam", momentum=0.5,
                                        weight_decay=0.05, precondition_frequency=2,
                                        max_preconditioner_dim=16)
+SCENARIOS["diagonal_adam"] = dict(lr=0.01, preconditioner="diagonal", grafting="adam",
+                                  weight_decay=0.01, max_preconditioner_dim=16)
+SCENARIOS["sgd_grafting_eigh"] = dict(lr=0.01, grafting="sgd", betas=(0.0, 0.99),
+                                      preconditioner="eigenvalue_corrected",
+                                      precondition_frequency=2, max_preconditioner_dim=16)
 SCENARIOS["compute_cost_f64"] = dict(lr=0.01, grafting="sgd", precondition_frequency=3,
                                      max_preconditioner_dim=8, assignment_cost="compute",
                                      factor_matrix_dtype=torch.float64)

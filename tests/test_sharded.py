@@ -101,7 +101,6 @@ def test_every_rank_moves_some_bytes_and_only_rows_it_lacks(runs, mesh):
     # gradients + directions of the rows whose owner does not hold them: far less than
     # all-gathering every parameter (Σ numel · world) and sending it back
     numel = sum(t.numel() for t in worker.full_params())
-    world = len(runs[mesh])
     for rank_result in runs[mesh]:
         sent_and_received = rank_result["shampoo_adam"]["bytes"]
         assert 0 < sent_and_received < 2 * 4 * numel

@@ -4,9 +4,9 @@ Under data parallelism every rank holds the state of its own blocks only, and
 ``accelerator.save_state`` writes the optimizer from the main process (DDP, and FSDP2 with
 a full state dict). So before it saves, every rank must call ``consolidate_state_dict()``
 (a collective); then the main process's ``state_dict()`` holds every block. (FSDP2 with a
-sharded state dict needs nothing: every rank writes its own blocks.) Either call ``save_state(accelerator, output_dir)``
-instead of ``accelerator.save_state(output_dir)``, or register the consolidation once with
-``register_checkpoint_hook(accelerator, optimizer)``. ``accelerator.load_state`` needs nothing:
+sharded state dict needs nothing: every rank writes its own blocks.) Either call
+``save_state(accelerator, output_dir)`` instead of ``accelerator.save_state(output_dir)``,
+or register the consolidation once with ``register_checkpoint_hook(accelerator, optimizer)``. ``accelerator.load_state`` needs nothing:
 every rank loads the full file (``weights_only=True``) and keeps the blocks it owns, at any
 world size.
 

@@ -1,0 +1,189 @@
+"""Per-rank optimizer state and bytes communicated per step under FSDP2 (SPEC §8).
+
+For ResNet-50 and GPT-2 small shapes at world 2/4/8 (1-D FSDP2 meshes, simulated ranks:
+the real block assignment and communication plan of ``hf_shampoo.sharded`` are computed
+for every rank without a process group), this prints, per scheme:
+
+- ``state MiB/rank``: the largest rank's optimizer state (Shampoo with Adam grafting,
+  beta1 = 0.9, float32), and ``buffers``: its per-step gradient and direction buffers;
+- ``MiB/step``: bytes all ranks send in a step (gradients in, directions out), and the
+  largest rank's sent + received bytes.
+
+Schemes: DDP (SPEC §4: one all-gather of every direction), FSDP2 lossless (ours: block
+owners, only rows the owner lacks travel), FSDP2 local (no communication beyond FSDP's),
+and the baseline of Meta's lossless distributor (whole parameters owned, greedy by size;
+two all_to_all per step moving every row its owner lacks). Step time is not simulated here.
+
+    python benchmarks/sharded_scaling.py --models resnet50 gpt2 --worlds 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import build_model, hardware  # noqa: E402
+
+from hf_shampoo.blocking import ParamBlocking  # noqa: E402
+from hf_shampoo.config import DEFAULTS  # noqa: E402
+from hf_shampoo.distributed import block_cost, greedy_assignment  # noqa: E402
+from hf_shampoo.sharded import RowSharding, ShardedDistributor  # noqa: E402
+from hf_shampoo.stack import BlockRef, BlockStack  # noqa: E402
+
+MIB = 2.0**20
+GROUP = {**DEFAULTS, "grafting": "adam", "betas": (0.9, 0.999), "lr": 1e-3}
+
+
+def state_numel(shape: tuple[int, ...], group: dict) -> int:
+    stack = BlockStack(0, shape, [], torch.float32)
+    return sum(math.prod(s) for s, _ in stack.expected_state(group).values())
+
+
+class SimulatedSharded(ShardedDistributor):
+    """The lossless distributor's assignment for one rank of a ``world``-rank 1-D mesh."""
+
+    def __init__(self, world: int) -> None:  # no process group: only planning
+        self.grid = [list(range(world))]
+        self.num_replicas, self.num_shards, self.world_size = 1, world, world
+        self.assignment_cost, self.balance_slack = "memory", 0.1
+        self.shardings = {}
+
+    def _sharding(self, block) -> RowSharding:
+        sharding = self.shardings.get(block.param_index)
+        if sharding is None:
+            sharding = RowSharding.for_shape(block.param.shape, block.merged, self.num_shards)
+            self.shardings[block.param_index] = sharding
+        return sharding
+
+
+def blocks_of(params, max_dim: int) -> list[BlockRef]:
+    blocks = []
+    for index, p in enumerate(params):
+        blocking = ParamBlocking.of(p.shape, max_dim)
+        single = len(blocking.slices) == 1
+        blocks += [BlockRef(0, index, b, p, str(index), blocking.merged, None if single else sl)
+                   for b, sl in enumerate(blocking.slices)]
+    return blocks
+
+
+def block_shape(block) -> tuple[int, ...]:
+    if block.slices is None:
+        return block.merged
+    return tuple(s.stop - s.start for s in block.slices)
+
+
+def lossless(params, world: int, max_dim: int) -> dict:
+    d = SimulatedSharded(world)
+    blocks = blocks_of(params, max_dim)
+    owners = d.assign(blocks, [block_shape(b) for b in blocks])
+    state = [0] * world
+    buffers = [0] * world
+    sent = [0] * world
+    received = [0] * world
+    for block, owner in zip(blocks, owners):
+        shape = block_shape(block)
+        state[owner] += state_numel(shape, GROUP) * 4
+        buffers[owner] += 2 * math.prod(shape) * 4  # gathered gradient + direction
+        sharding = d._sharding(block)
+        lo, hi = d._rows(block)
+        row = math.prod(shape[1:])
+        for s, x, y in d.holders(sharding, lo, hi):
+            holder = d.grid[0][s]
+            if holder != owner:  # gradient rows in, direction rows back
+                nbytes = (y - x) * row * 4
+                sent[holder] += nbytes
+                received[owner] += nbytes
+                sent[owner] += nbytes
+                received[holder] += nbytes
+    return {"state": max(state), "buffers": max(buffers), "total": sum(sent),
+            "rank": max(s + r for s, r in zip(sent, received))}
+
+
+def ddp(params, world: int, max_dim: int) -> dict:
+    blocks = blocks_of(params, max_dim)
+    shapes = [block_shape(b) for b in blocks]
+    owners = greedy_assignment([block_cost(s) for s in shapes], world)
+    state, own = [0] * world, [0] * world
+    for shape, owner in zip(shapes, owners):
+        state[owner] += state_numel(shape, GROUP) * 4
+        own[owner] += math.prod(shape)
+    segment = max(own) * 4  # the all-gather moves one equal segment per rank
+    return {"state": max(state), "buffers": world * segment,
+            "total": world * (world - 1) * segment, "rank": world * segment}
+
+
+def local(params, world: int, max_dim: int) -> dict:
+    state = [0] * world
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        chunk = -(-rows // world)
+        for r in range(world):
+            n = max(0, min(rows, (r + 1) * chunk) - min(rows, r * chunk))
+            if n == 0:
+                continue
+            shape = (n, *p.shape[1:]) if p.dim() else ()
+            for bshape in ParamBlocking.of(shape, max_dim).block_shapes:
+                state[r] += state_numel(bshape, GROUP) * 4
+    return {"state": max(state), "buffers": 0, "total": 0, "rank": 0}
+
+
+def meta_lossless(params, world: int, max_dim: int) -> dict:
+    """Whole parameters to owners by size (greedy), full gradients gathered to the owner and
+    the updated rows sent back: two all_to_all moving every row its owner lacks."""
+    sizes = [p.numel() for p in params]
+    owners = greedy_assignment([float(s) for s in sizes], world)
+    state = [0] * world
+    sent, received = [0] * world, [0] * world
+    for p, owner in zip(params, owners):
+        for shape in ParamBlocking.of(p.shape, max_dim).block_shapes:
+            state[owner] += state_numel(shape, GROUP) * 4
+        rows = p.shape[0] if p.dim() else 1
+        row = p.numel() // rows
+        chunk = -(-rows // world)
+        for r in range(world):
+            n = max(0, min(rows, (r + 1) * chunk) - min(rows, r * chunk))
+            if r != owner and n:
+                nbytes = n * row * 4
+                sent[r] += nbytes
+                received[owner] += nbytes
+                sent[owner] += nbytes
+                received[r] += nbytes
+    return {"state": max(state), "buffers": None, "total": sum(sent),
+            "rank": max(s + r for s, r in zip(sent, received))}
+
+
+SCHEMES = {"DDP (all-gather)": ddp, "FSDP2 lossless (ours)": lossless,
+           "FSDP2 local": local, "Meta lossless (2x all_to_all)": meta_lossless}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["resnet50", "gpt2"])
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--max-preconditioner-dim", type=int, default=1024)
+    args = parser.parse_args()
+    print(f"Hardware: {hardware()} (figures are computed, not timed)\n")
+    for name in args.models:
+        params = [p.detach() for p in build_model(name).parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params)
+        print(f"### {name}: {numel / 1e6:.1f}M parameters, max_preconditioner_dim "
+              f"{args.max_preconditioner_dim}, Adam grafting, float32\n")
+        print("| world | scheme | state MiB/rank (max) | buffers MiB/rank | MiB/step, all ranks "
+              "| MiB/step, busiest rank |")
+        print("|---|---|---|---|---|---|")
+        for world in args.worlds:
+            for scheme, fn in SCHEMES.items():
+                r = fn(params, world, args.max_preconditioner_dim)
+                buffers = "n/a" if r["buffers"] is None else f"{r['buffers'] / MIB:.0f}"
+                print(f"| {world} | {scheme} | {r['state'] / MIB:.0f} | {buffers} | "
+                      f"{r['total'] / MIB:.0f} | {r['rank'] / MIB:.0f} |")
+        print()
+
+
+if __name__ == "__main__":
+    main()
