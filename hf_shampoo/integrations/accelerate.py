@@ -6,9 +6,9 @@ a full state dict). So before it saves, every rank must call ``consolidate_state
 (a collective); then the main process's ``state_dict()`` holds every block. (FSDP2 with a
 sharded state dict needs nothing: every rank writes its own blocks.) Either call
 ``save_state(accelerator, output_dir)`` instead of ``accelerator.save_state(output_dir)``,
-or register the consolidation once with ``register_checkpoint_hook(accelerator, optimizer)``. ``accelerator.load_state`` needs nothing:
-every rank loads the full file (``weights_only=True``) and keeps the blocks it owns, at any
-world size.
+or register the consolidation once with ``register_checkpoint_hook(accelerator,
+optimizer)``. ``accelerator.load_state`` needs nothing: every rank loads the full file
+(``weights_only=True``) and keeps the blocks it owns, at any world size.
 
 Everything else works as is: rank and world size come from Accelerate's process state,
 ``accelerator.accumulate`` steps the optimizer once per accumulated batch, and a step the
