@@ -12,9 +12,15 @@ for every rank without a process group), this prints, per scheme:
 Schemes: DDP (SPEC §4: one all-gather of every direction), FSDP2 lossless (ours: block
 owners, only rows the owner lacks travel), FSDP2 local (no communication beyond FSDP's),
 and the baseline of Meta's lossless distributor (whole parameters owned, greedy by size;
-two all_to_all per step moving every row its owner lacks). Step time is not simulated here.
+two all_to_all per step moving every row its owner lacks).
+
+``--time`` adds the busiest rank's optimizer step (DDP and lossless: its owned blocks, with
+every direction still applied; local: its shard's blocks), steady and refresh, one thread,
+timed as ``distributed_scaling.py`` does
+(the collectives are not timed; their volume is in the first table).
 
     python benchmarks/sharded_scaling.py --models resnet50 gpt2 --worlds 2 4 8
+    python benchmarks/sharded_scaling.py --models resnet50 --worlds 2 4 8 --time
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_model, hardware  # noqa: E402
+from common import SimulatedRank, build_model, hardware, median, timed  # noqa: E402
 
+from hf_shampoo import DistributedShampoo  # noqa: E402
 from hf_shampoo.blocking import ParamBlocking  # noqa: E402
 from hf_shampoo.config import DEFAULTS  # noqa: E402
-from hf_shampoo.distributed import block_cost, greedy_assignment  # noqa: E402
+from hf_shampoo.distributed import Distributor, block_cost, greedy_assignment  # noqa: E402
 from hf_shampoo.sharded import RowSharding, ShardedDistributor  # noqa: E402
 from hf_shampoo.stack import BlockRef, BlockStack  # noqa: E402
 
@@ -157,6 +164,73 @@ def meta_lossless(params, world: int, max_dim: int) -> dict:
             "rank": max(s + r for s, r in zip(sent, received))}
 
 
+class SimulatedOwner(Distributor):
+    """Rank ``rank`` of a ``world``-rank lossless run without communicating: the real
+    assignment, only this rank's blocks computed (every direction is still applied)."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        super().__init__()
+        self.world_size, self.rank = world, rank
+
+    def assign(self, blocks, block_shapes):
+        return SimulatedSharded(self.world_size).assign(blocks, block_shapes)
+
+
+def busiest(params, world: int, max_dim: int, scheme: str) -> int:
+    """The rank with the most state under the scheme."""
+    state = [0] * world
+    if scheme == "ddp":
+        shapes = [block_shape(b) for b in blocks_of(params, max_dim)]
+        for shape, owner in zip(shapes, greedy_assignment([block_cost(s) for s in shapes],
+                                                           world)):
+            state[owner] += state_numel(shape, GROUP)
+        return max(range(world), key=lambda r: state[r])
+    if scheme == "local":
+        for p in params:
+            rows = p.shape[0] if p.dim() else 1
+            chunk = -(-rows // world)
+            for r in range(world):
+                n = max(0, min(rows, (r + 1) * chunk) - min(rows, r * chunk))
+                if n:
+                    state[r] += sum(state_numel(b, GROUP) for b in ParamBlocking.of(
+                        (n, *p.shape[1:]) if p.dim() else (), max_dim).block_shapes)
+        return max(range(world), key=lambda r: state[r])
+    d = SimulatedSharded(world)
+    blocks = blocks_of(params, max_dim)
+    for block, owner in zip(blocks, d.assign(blocks, [block_shape(b) for b in blocks])):
+        state[owner] += state_numel(block_shape(block), GROUP)
+    return max(range(world), key=lambda r: state[r])
+
+
+def rank_times(params, world: int, rank: int, scheme: str, args) -> tuple[float, float]:
+    """(steady, refresh) seconds of one rank's optimizer step."""
+    local_mode = scheme == "local"
+    g = torch.Generator().manual_seed(0)
+    tensors = []
+    for p in params:
+        if local_mode and p.dim():
+            chunk = -(-p.shape[0] // world)
+            p = p[min(p.shape[0], rank * chunk): min(p.shape[0], (rank + 1) * chunk)]
+            if p.numel() == 0:
+                continue
+        t = torch.nn.Parameter(p.detach().clone())
+        t.grad = torch.randn(t.shape, generator=g) * 1e-2
+        tensors.append(t)
+    opt = DistributedShampoo(tensors, lr=1e-3, betas=(0.9, 0.999), grafting="adam",
+                             max_preconditioner_dim=args.max_preconditioner_dim,
+                             precondition_frequency=10**6, start_preconditioning_step=10**6,
+                             distributed="none")
+    if scheme == "lossless":
+        opt._distributor = SimulatedOwner(world, rank)
+    elif scheme == "ddp":
+        opt._distributor = SimulatedRank(world, rank)
+    opt.step()  # allocates state (a grafting-only step)
+    for group in opt.param_groups:  # the next step is the first refresh, then steady steps
+        group["step"] = group["start_preconditioning_step"] - 1
+    refresh = timed(opt.step, 1)[0]
+    return median(timed(opt.step, args.repeats)), refresh
+
+
 SCHEMES = {"DDP (all-gather)": ddp, "FSDP2 lossless (ours)": lossless,
            "FSDP2 local": local, "Meta lossless (2x all_to_all)": meta_lossless}
 
@@ -166,7 +240,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["resnet50", "gpt2"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--max-preconditioner-dim", type=int, default=1024)
+    parser.add_argument("--time", action="store_true", help="time the busiest rank's step")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    torch.set_num_threads(1)
     print(f"Hardware: {hardware()} (figures are computed, not timed)\n")
     for name in args.models:
         params = [p.detach() for p in build_model(name).parameters() if p.requires_grad]
@@ -182,6 +259,19 @@ def main() -> None:
                 buffers = "n/a" if r["buffers"] is None else f"{r['buffers'] / MIB:.0f}"
                 print(f"| {world} | {scheme} | {r['state'] / MIB:.0f} | {buffers} | "
                       f"{r['total'] / MIB:.0f} | {r['rank'] / MIB:.0f} |")
+        print()
+        if not args.time:
+            continue
+        print(f"#### {name}: the busiest rank's optimizer step, 1 thread\n")
+        print("| world | scheme | rank | steady step s | refresh step s |")
+        print("|---|---|---|---|---|")
+        for world in args.worlds:
+            for label, scheme in (("DDP", "ddp"), ("FSDP2 lossless", "lossless"),
+                                  ("FSDP2 local", "local")):
+                rank = busiest(params, world, args.max_preconditioner_dim, scheme)
+                steady, refresh = rank_times(params, world, rank, scheme, args)
+                print(f"| {world} | {label} | {rank} | {steady:.3f} | {refresh:.2f} |",
+                      flush=True)
         print()
 
 

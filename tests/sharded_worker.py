@@ -26,9 +26,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from hf_shampoo import DistributedShampoo
 from tests import distributed_worker as ddp_worker
 
-# rows not divisible by 2, 3 or 4; (40, 20) and (5, 4) have blocks that span shards; (2, 5)
-# leaves a rank of a 3-way mesh without rows; (3,) stays a plain (replicated) parameter
-SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), (2, 5), (3,)]
+# rows not divisible by 2, 3 or 4; (40, 20) has blocks that span shards; (2, 5) leaves a
+# rank of a 3-way mesh without rows; (3,) stays a plain (replicated) parameter; (6, 2) is
+# merged into one dim (12,), whose merged rows are single elements
+SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), (2, 5), (3,), (6, 2)]
 PLAIN = {5}
 NO_GRAD = {1: (2, 3)}  # parameter 1 has no gradient at steps 2 and 3
 SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (

@@ -181,3 +181,75 @@ def test_fully_shard_model_with_backward_and_clipping(runs, mesh):
         opt.step()
     for got, want in zip(results[0]["params"], model.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------- planning (no process group)
+def test_row_sharding_follows_torch_chunk_in_merged_rows():
+    from hf_shampoo.blocking import merged_shape
+    from hf_shampoo.sharded import RowSharding
+
+    def ranges(shape, max_dim, shards):
+        return RowSharding.for_shape(shape, merged_shape(shape, max_dim), shards).ranges
+
+    assert ranges((5, 4), 32, 3) == ((0, 8), (8, 16), (16, 20))  # merged (20,): elements
+    assert ranges((10, 3, 3, 3), 128, 3) == ((0, 4), (4, 8), (8, 10))  # merged (10, 27)
+    assert ranges((2, 5), 4, 3) == ((0, 1), (1, 2), (2, 2))  # the third shard is empty
+    assert ranges((1, 6), 4, 2) == ((0, 6), (6, 6))  # a dropped size-1 dim 0: one shard
+    for shape in [(7, 3), (12, 5, 2), (9,)]:  # shard sizes are torch.chunk's, in elements
+        for shards in (2, 3, 4):
+            merged = merged_shape(shape, 8)
+            row = torch.Size(shape).numel() // merged[0]
+            sizes = [(b - a) * row for a, b in ranges(shape, 8, shards)]
+            chunks = [c.numel() for c in torch.empty(shape).chunk(shards)]
+            assert sizes[:len(chunks)] == chunks and sum(sizes) == torch.Size(shape).numel()
+
+
+class _Planner:
+    """The lossless assignment for a simulated 1-D mesh (no process group)."""
+
+    def __init__(self, world):
+        from hf_shampoo.sharded import RowSharding, ShardedDistributor
+
+        class Planner(ShardedDistributor):
+            def __init__(self):
+                self.grid, self.num_replicas, self.num_shards = [list(range(world))], 1, world
+                self.world_size, self.assignment_cost, self.balance_slack = world, "memory", 0.1
+                self.shardings = {}
+
+            def _sharding(self, block):
+                return RowSharding.for_shape(tuple(block.param.shape), block.merged, world)
+
+        self.planner = Planner()
+
+    def assign(self, shapes, max_dim):
+        from hf_shampoo.blocking import ParamBlocking
+        from hf_shampoo.distributed import block_cost
+        from hf_shampoo.stack import BlockRef
+
+        blocks = []
+        for i, shape in enumerate(shapes):
+            blocking = ParamBlocking.of(shape, max_dim)
+            one = len(blocking.slices) == 1
+            blocks += [BlockRef(0, i, b, torch.empty(shape), "", blocking.merged,
+                                None if one else sl) for b, sl in enumerate(blocking.slices)]
+        block_shapes = [tuple(s.stop - s.start for s in b.slices) if b.slices else b.merged
+                        for b in blocks]
+        owners = self.planner.assign(blocks, block_shapes)
+        return blocks, owners, [block_cost(s) for s in block_shapes]
+
+
+def test_owners_hold_the_rows_of_aligned_blocks_and_loads_stay_balanced():
+    world = 4
+    blocks, owners, costs = _Planner(world).assign([(64, 16)] * 3 + [(16, 16)] * 4, 16)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+    assert max(loads) <= 1.1 * sum(costs) / world + max(costs)
+    for block, owner in zip(blocks, owners):
+        if block.merged == (64, 16):  # 16-row blocks on 16-row shards: owned where they live
+            assert owner == block.slices[0].start // 16
+
+
+def test_assignment_is_deterministic_and_spreads_blocks():
+    shapes = [(30, 20), (7,), (50, 3), (8, 8, 8), (100,)]
+    first = _Planner(3).assign(shapes, 8)[1]
+    assert first == _Planner(3).assign(shapes, 8)[1]
+    assert set(first) == {0, 1, 2}
