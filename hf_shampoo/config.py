@@ -46,7 +46,11 @@ DEFAULTS: dict[str, Any] = {
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
 # "diagonal": no Kronecker factors; the grafting method alone is the update (biases, norms).
-PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal")
+# "kl_shampoo": KL-Shampoo (arXiv 2509.03378), Meta's RootInvKLShampooPreconditionerConfig:
+# roots as "shampoo", statistics from the gradient preconditioned by the other dims' roots.
+PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal", "kl_shampoo")
+# kinds whose preconditioner is a product of per-dim inverse roots (SPEC §2)
+ROOT_INVERSE_KINDS = ("shampoo", "kl_shampoo")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)

@@ -167,9 +167,14 @@ def _eigh_each(matrices: Tensor) -> Eigh:
 
 
 def regularized_eigenvalues(eigenvalues: Tensor, epsilon: float) -> Tensor:
-    """Eigenvalues of ``A + εI`` shifted by ``ε - λ_min`` where ``λ_min < ε`` (SPEC §2)."""
+    """Eigenvalues of ``A + εI`` shifted by ``ε - λ_min`` where ``λ_min < ε`` (SPEC §2).
+
+    In two roundings, ``(λ - λ_min) + ε``, as Meta does: the smallest becomes exactly ``ε``.
+    One rounding, ``λ + (ε - λ_min)``, loses ε next to a negative round-off ``λ_min`` much
+    larger than ε (float32, a large rank-deficient factor) and can leave an exact 0, whose
+    inverse root is infinite."""
     smallest = eigenvalues.amin(dim=-1, keepdim=True)
-    return torch.where(smallest < epsilon, eigenvalues + (epsilon - smallest), eigenvalues)
+    return torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon, eigenvalues)
 
 
 def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:
@@ -377,3 +382,38 @@ def qr_iteration(
     estimates = estimates.gather(-1, order)
     basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
     return basis, estimates, order
+
+
+def _off_diagonal_within(estimates: Tensor, tolerance: float) -> Tensor:
+    """``‖B - diag B‖_F <= τ ‖B‖_F`` per matrix, computed as Meta's ``qr_algorithm`` does
+    (``sqrt(‖B‖² - ‖diag B‖²)``)."""
+    norm = torch.linalg.matrix_norm(estimates)
+    diagonal = torch.linalg.vector_norm(estimates.diagonal(dim1=-2, dim2=-1), dim=-1)
+    return torch.sqrt(norm**2 - diagonal**2) <= tolerance * norm
+
+
+def qr_algorithm(
+    matrices: Tensor, basis: Tensor, iterations: int, tolerance: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Meta's QR algorithm in the rotated frame (SPEC §3; ``matrix_functions.qr_algorithm``).
+
+    ``B = Qᵀ A Q``; while a matrix fails the criterion and has iterations left:
+    ``Q', R = qr(B)``, ``B = R Q'``, ``Q = Q Q'``. Then the estimates ``diag B`` are sorted
+    ascending (stable) and the columns of ``Q`` with them. Batched: every matrix takes
+    exactly the iterations it would take alone. Returns ``(basis, estimates)``.
+    """
+    estimates = basis.mT @ matrices @ basis
+    basis = basis.clone()
+    active = torch.arange(matrices.shape[0], device=matrices.device)
+    for _ in range(iterations):
+        sub = estimates[active]
+        going = ~_off_diagonal_within(sub, tolerance)
+        if not bool(going.any()):
+            break
+        active, sub = active[going], sub[going]
+        q, r = torch.linalg.qr(sub)
+        estimates[active] = r @ q
+        basis[active] = basis[active] @ q
+    values, order = estimates.diagonal(dim1=-2, dim2=-1).sort(dim=-1, stable=True)
+    basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
+    return basis, values

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import linalg
-from .config import corrected_exponent, dim_exponents
+from .config import ROOT_INVERSE_KINDS, corrected_exponent, dim_exponents
 from .kronecker import multi_mode_product, update_factor
 
 MAX_CONSECUTIVE_FAILURES = 3
@@ -132,7 +132,7 @@ class BlockStack:
         for j in self.preconditioned_dims(group):
             d = self.shape[j]
             shapes[f"factor_matrix_{j}"] = ((d, d), fdtype)
-            if group["preconditioner"] == "shampoo":
+            if group["preconditioner"] in ROOT_INVERSE_KINDS:
                 shapes[f"inverse_root_{j}"] = ((d, d), fdtype)
             if self.keeps_basis(group):
                 shapes[f"eigenvectors_{j}"] = ((d, d), fdtype)
@@ -183,9 +183,26 @@ class BlockStack:
             factor = job.state[f"factor_matrix_{j}"]
             factor = factor if everything else factor[rows]
             factors[f"factor_matrix_{j}"] = update_factor(
-                factor, g, j, group["betas"][1], out_of_place=True
+                factor, self._statistics_input(job.state, group, g, j,
+                                               None if everything else rows),
+                j, group["betas"][1], out_of_place=True
             )
         return factors
+
+    def _statistics_input(self, state: dict, group: dict, g: Tensor, dim: int,
+                          rows: list[int] | None = None) -> Tensor:
+        """What factor ``dim``'s statistics are built from: the gradient, or for KL-Shampoo
+        the gradient multiplied along every other preconditioned dim by that dim's current
+        inverse root (the identity before the first refresh; SPEC §3)."""
+        if group["preconditioner"] != "kl_shampoo" or self.order == 1:
+            return g
+        roots = [None if i == dim else state.get(f"inverse_root_{i}")
+                 for i in range(self.order)]
+        if rows is not None:
+            roots = [None if r is None else r[rows] for r in roots]
+        if all(r is None for r in roots):
+            return g
+        return multi_mode_product(g, roots)
 
     def direction(self, job: StackStep, workspace: Workspace, out: Tensor, lr: float) -> None:
         """SPEC §2 lines 2–8 for the rows of ``job``: writes ``-lr * P`` into ``out``.
@@ -207,8 +224,12 @@ class BlockStack:
             state.update(job.new_factors)
         else:
             unfold_into = scratch("scratch") if same_dtype else None
-            for j in self.preconditioned_dims(group):
-                update_factor(state[f"factor_matrix_{j}"], g, j, beta2, scratch=unfold_into)
+            kl = group["preconditioner"] == "kl_shampoo"
+            inputs = {j: self._statistics_input(state, group, g, j)
+                      for j in self.preconditioned_dims(group)} if kl else {}
+            for j in self.preconditioned_dims(group):  # (KL: all from the roots before now)
+                update_factor(state[f"factor_matrix_{j}"], inputs.get(j, g), j, beta2,
+                              scratch=unfold_into)
         for rows, first in _split_first(job.refresh_rows, job.first_rows):
             self._refresh(job, rows, first, workspace)
         corrected = group["preconditioner"] == "eigenvalue_corrected"
@@ -365,7 +386,11 @@ class BlockStack:
         bias2 = 1.0 - beta2**job.step if group["use_bias_correction"] and beta2 < 1 else 1.0
         epsilon = group["epsilon"]
         keeps = self.keeps_basis(group)
-        use_qr = group["eigendecomposition"] == "qr" and not first
+        corrected = group["preconditioner"] == "eigenvalue_corrected"
+        # eigenvalue-corrected with QR: Meta's qr_algorithm from the kept basis (the
+        # identity before the first refresh), which checks the criterion itself (SPEC §3)
+        meta_qr = corrected and group["eigendecomposition"] == "qr"
+        use_qr = group["eigendecomposition"] == "qr" and not first and not corrected
         device = job.grad.device
         picked = _Rows(rows, job.grad.shape[0], device)  # local indices count within rows
 
@@ -379,16 +404,22 @@ class BlockStack:
                     f"refresh_matrix_{j}", factor.shape, factor.dtype, device))
             n, d = matrix.shape[0], matrix.shape[-1]
             plan = _DimRefresh(j, matrix, torch.arange(n, device=device), matrix.new_zeros(n, d))
-            if keeps and not first:
+            if keeps and (not first or corrected) and not meta_qr:
+                # eigenvalue-corrected: Meta checks A + εI, also against the identity basis
+                # at the first refresh (τ = 0 marks every matrix stale either way)
+                checked = matrix
+                if corrected and group["eigenbasis_tolerance"] > 0:
+                    checked = matrix + epsilon * torch.eye(d, dtype=matrix.dtype, device=device)
                 plan.check = linalg.check_basis(
-                    matrix, picked.take(state[f"eigenvectors_{j}"]), group["eigenbasis_tolerance"]
+                    checked, picked.take(state[f"eigenvectors_{j}"]),
+                    group["eigenbasis_tolerance"]
                 )
                 plan.todo = plan.check.stale.nonzero().flatten()
                 plan.values = plan.check.diagonal + epsilon
             plans.append(plan)
 
         # eigh of A + εI for every dim at once (not for QR refreshes)
-        eigh_plans = [p for p in plans if len(p.todo) > 0 and not use_qr]
+        eigh_plans = [p for p in plans if len(p.todo) > 0 and not use_qr and not meta_qr]
         inputs = []
         for p in eigh_plans:
             sub = p.matrix if len(p.todo) == len(p.matrix) else p.matrix[p.todo]
@@ -403,8 +434,28 @@ class BlockStack:
                                   linalg.batched_eigh_many(inputs, memory)))
 
         for plan in plans:
+            if meta_qr:
+                self._meta_qr_refresh(job, plan, picked)
+                continue
             self._finish_refresh(job, plan, picked, use_qr, decompositions.get(plan.dim),
                                  workspace)
+
+    def _meta_qr_refresh(self, job: StackStep, plan: _DimRefresh, picked: _Rows) -> None:
+        """Eigenvalue-corrected QR refresh of one dim, as Meta computes it: QR iterations on
+        ``A + εI`` from the kept basis, eigenvalue estimates sorted ascending with the
+        basis; ``D`` keeps its order (SPEC §3)."""
+        group, state, j = job.group, job.state, plan.dim
+        name = f"eigenvectors_{j}"
+        matrix = plan.matrix + group["epsilon"] * torch.eye(
+            plan.matrix.shape[-1], dtype=plan.matrix.dtype, device=plan.matrix.device)
+        basis, values = linalg.qr_algorithm(matrix, picked.take(state[name]),
+                                            group["qr_max_iterations"],
+                                            group["eigenbasis_tolerance"])
+        ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()
+        done = ok.nonzero().flatten().to(basis.device)
+        picked.put(state[name], done, basis if len(done) == len(basis) else basis[done])
+        self._count_failures(f"factor_matrix_{j}", ok, [job.members[r] for r in picked.list],
+                             job.step)
 
     def _finish_refresh(
         self, job: StackStep, plan: _DimRefresh, picked: _Rows, use_qr: bool,
@@ -414,7 +465,7 @@ class BlockStack:
         group, state, j = job.group, job.state, plan.dim
         epsilon = group["epsilon"]
         keeps = self.keeps_basis(group)
-        shampoo = group["preconditioner"] == "shampoo"
+        shampoo = group["preconditioner"] in ROOT_INVERSE_KINDS
         device = plan.matrix.device
         n = plan.matrix.shape[0]
         todo, values = plan.todo, plan.values
@@ -435,8 +486,10 @@ class BlockStack:
                 sub_ok = (linalg.finite_rows(basis) & linalg.finite_rows(estimates)).cpu()
             else:
                 basis, new_values = eig.eigenvectors, eig.eigenvalues
-                if keeps:  # kept bases are sorted by descending eigenvalue (see qr_iteration)
+                if keeps and shampoo:  # our QR keeps bases by descending eigenvalue
                     basis, new_values = basis.flip(-1), new_values.flip(-1)
+                # (eigenvalue-corrected: eigh's ascending order, paired with D as it is,
+                # as Meta does; SPEC §3)
                 sub_ok = torch.tensor(eig.ok, dtype=torch.bool)
             if not bool(sub_ok.all()):
                 ok[todo.cpu()] = sub_ok

@@ -14,25 +14,24 @@ Choices the spec leaves open, and what this reference does (Meta's
 2.  ``inverse_exponent_override`` is keyed by the *block* order k (after merging); a dim
     not listed in a ``{dim: e}`` dict keeps the default ``1/(2k)``.  ``e = 0`` gives the
     identity for that dim (the factor is still accumulated, it is simply never used).
-    Overrides are only modelled for ``preconditioner="shampoo"``.
+    Overrides are modelled for ``preconditioner="shampoo"`` and ``"kl_shampoo"``.
+11. KL-Shampoo (``preconditioner="kl_shampoo"``, Meta's ``RootInvKLShampooPreconditionerList``):
+    roots as Shampoo; the statistics of factor ``j`` are built from the gradient multiplied
+    along every other dim ``i`` by that dim's current inverse root ``I_i`` (before this
+    step's refresh; the identity before the first).
 3.  The ε / λ_min rule (§2): ``L, V = eigh(A + εI)``; if ``min(L) < ε`` every eigenvalue
-    is shifted by ``ε - min(L)``; ``I = V diag(L^-e) Vᵀ``.
-4.  Eigenvalue correction (§3).  ``Q_j`` starts as the identity.  The first refresh of a
-    factor always uses ``eigh(A_j + εI)`` and is never gated by the tolerance.  Later
-    refreshes: the QR iteration and the tolerance criterion act on ``A = A_j = F_j / bc2``
-    exactly as §3 writes them (``B = QᵀAQ``, ``qr(A Q)``), without the ``εI`` that
-    eigh gets (Meta's ``qr_algorithm`` works on ``A + εI``; the two differ by O(ε/λ)).
-    τ = 0 always refreshes.  With τ > 0: if ``‖B - diag(B)‖_F <= τ ‖B‖_F`` the factor is
-    left as it is (no QR step, no re-sorting, D untouched).  "Up to qr_max_iterations" is
-    read as in Meta's ``qr_algorithm``: the criterion is checked before every QR step and
-    the loop stops as soon as it holds.  After at least one QR step ``Q, _ = qr(A Q)``,
-    the columns are sorted by descending ``diag(QᵀAQ)`` (stable sort) and ``D`` is
-    permuted along that block dim with the same permutation.  Every kept basis, also one
-    from eigh, is ordered by descending eigenvalue: the unshifted QR step pulls the first
-    columns towards the dominant eigenvectors, so a warm start from an ascending basis
-    would move *away* from the eigenbasis (SOAP sorts descending too).
-    With ``eigendecomposition="eigh"`` and τ > 0 the same criterion gates the eigh
-    refresh; a fresh eigh basis does not permute ``D``.
+    is shifted by ``ε - min(L)``, as ``(L - min(L)) + ε`` (Meta's two roundings: the smallest
+    is then exactly ε); ``I = V diag(L^-e) Vᵀ``.
+4.  Eigenvalue correction (§3), as Meta's ``EigenvalueCorrectedShampooPreconditionerList``
+    and ``matrix_functions.qr_algorithm`` compute it.  ``Q_j`` starts as the identity and
+    every refresh works on ``A_j + εI`` (``A_j = F_j / bc2``).  ``eigh``: with τ > 0 the
+    criterion ``‖B - diag(B)‖_F <= τ ‖B‖_F`` (``B = QᵀAQ``) is checked first, also against
+    the identity at the first refresh, and keeps ``Q_j`` when it holds; otherwise ``Q_j``
+    is eigh's eigenvectors in eigh's ascending order.  ``qr``: from the kept basis (the
+    identity at the first refresh), ``B = QᵀAQ``; while fewer than ``qr_max_iterations``
+    steps were taken and the criterion fails: ``Q', R = qr(B)``, ``B = R Q'``,
+    ``Q = Q Q'``; then the columns are sorted by ascending ``diag(B)`` (stable).  ``D`` is
+    never permuted or reset: its history is paired with the new columns as they come.
 5.  Adam grafting always divides by its own ``1 - grafting_beta2**t`` (Meta's Adam
     grafting is built with bias correction on, independent of ``use_bias_correction``);
     RMSprop and AdaGrad grafting never do.
@@ -250,7 +249,7 @@ class ReferenceShampoo:
             lam, vec = res
             lam_min = lam.min()
             if lam_min < self.eps:
-                lam = lam + (self.eps - lam_min)
+                lam = (lam - lam_min) + self.eps
             blk.inv_roots[j] = vec @ torch.diag(lam.pow(-exps[j])) @ vec.T
 
     def _refresh_eigenbasis(self, blk: _Block, bc2: float) -> None:
@@ -259,37 +258,30 @@ class ReferenceShampoo:
             self._check_finite(a, j)
             a_eps = a + self.eps * torch.eye(a.shape[0], dtype=torch.float64)
             q = blk.bases[j]
-            if not blk.has_basis[j]:
-                res = self._eigh(a_eps, blk, j)
-                if res is not None:
-                    blk.bases[j] = res[1].flip(-1)  # descending, see note 4
-                    blk.has_basis[j] = True
-                    self.stats["eigh"] += 1
-                continue
             if self.eigendecomposition == "eigh":
-                if off_diagonal_ratio_small(q.T @ a @ q, self.tol):
+                if self.tol > 0 and off_diagonal_ratio_small(q.T @ a_eps @ q, self.tol):
                     self.stats["skipped"] += 1
                     continue
                 res = self._eigh(a_eps, blk, j)
                 if res is not None:
-                    blk.bases[j] = res[1].flip(-1)
+                    blk.bases[j] = res[1]  # eigh's ascending order (note 4)
                     self.stats["eigh"] += 1
                 continue
-            # warm-started QR (§3)
+            # Meta's QR algorithm in the rotated frame (note 4)
+            b = q.T @ a_eps @ q
             steps = 0
-            while steps < self.qr_iters and not off_diagonal_ratio_small(q.T @ a @ q, self.tol):
-                q, _ = torch.linalg.qr(a @ q)
+            while steps < self.qr_iters and not off_diagonal_ratio_small(b, self.tol):
+                qk, r = torch.linalg.qr(b)
+                b = r @ qk
+                q = q @ qk
                 steps += 1
             self.stats["qr_steps"] += steps
             if steps == 0:
                 self.stats["skipped"] += 1
-                continue
-            estimates = torch.diag(q.T @ a @ q)
-            order = torch.sort(estimates, descending=True, stable=True).indices
+            order = torch.sort(torch.diag(b), stable=True).indices
             if not torch.equal(order, torch.arange(len(order))):
                 self.stats["permuted"] += 1
             blk.bases[j] = q[:, order]
-            blk.corrected = blk.corrected.index_select(j, order)
 
     def _rotate(self, x: Tensor, blk: _Block, transpose: bool) -> Tensor:
         for j, q in enumerate(blk.bases):
@@ -322,10 +314,19 @@ class ReferenceShampoo:
             if self.wd and self.wd_type == "l2":
                 G = G + self.wd * W
             # 2  factor matrices, amortized part, eigenvalue correction
+            statistics = [G] * len(blk.shape)
+            if self.preconditioner == "kl_shampoo":  # note 11: the other dims' roots
+                statistics = []
+                for j in range(len(blk.shape)):
+                    X = G
+                    for i, root in enumerate(blk.inv_roots):
+                        if i != j:
+                            X = mode_product(X, root, i)
+                    statistics.append(X)
             for j in range(len(blk.shape)):
-                blk.factors[j] = b2 * blk.factors[j] + w * contract_all_but(G, j)
+                blk.factors[j] = b2 * blk.factors[j] + w * contract_all_but(statistics[j], j)
             if amortized:
-                if self.preconditioner == "shampoo":
+                if self.preconditioner in ("shampoo", "kl_shampoo"):
                     self._refresh_shampoo(blk, bc2)
                 else:
                     self._refresh_eigenbasis(blk, bc2)
@@ -356,7 +357,7 @@ class ReferenceShampoo:
             if clock < self.s and self.grafting_type is not None:
                 P = self.graft(G_hat, blk)
             else:
-                if self.preconditioner == "shampoo":
+                if self.preconditioner in ("shampoo", "kl_shampoo"):
                     P = G_hat
                     for j, inv in enumerate(blk.inv_roots):
                         P = mode_product(P, inv, j)

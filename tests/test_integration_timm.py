@@ -63,7 +63,7 @@ def test_register_is_idempotent_and_names_have_no_underscore():
     assert info.opt_class is create_shampoo and info.has_betas and info.has_eps
     assert not info.has_momentum  # timm's momentum=0.9 must not become classic momentum
     assert timm.optim.get_optimizer_info("soap").opt_class is timm_integration.create_soap
-    assert {"shampoo", "soap"} <= set(timm.optim.list_optimizers())
+    assert {"shampoo", "soap", "klshampoo"} <= set(timm.optim.list_optimizers())
 
 
 def test_register_leaves_a_foreign_optimizer_of_the_same_name():
@@ -218,13 +218,17 @@ def test_lr_scale_opt_out_leaves_it_to_the_scheduler():
 
 
 # ---------------------------------------------------------------------- other names
-def test_soap_and_lookahead():
+def test_soap_klshampoo_and_lookahead():
     model = tiny_model()
     soap = create_optimizer_v2(model, opt="soap", lr=1e-3, weight_decay=0.05, eps=1e-7)
     kinds = {(g["preconditioner"], g["grafting"]) for g in soap.param_groups}
     assert kinds == {("eigenvalue_corrected", None), ("diagonal", "adam")}
     assert all(g["epsilon"] == 1e-7 and g["grafting_epsilon"] == 1e-7 for g in soap.param_groups)
     train_steps(model, soap)
+    kl = create_optimizer_v2(model, opt="klshampoo", lr=1e-3, weight_decay=0.05)
+    kinds = {(g["preconditioner"], g["grafting"]) for g in kl.param_groups}
+    assert kinds == {("kl_shampoo", "adam"), ("diagonal", "adam")}
+    train_steps(model, kl)
     wrapped = create_optimizer_v2(model, opt="lookahead_shampoo", lr=1e-3)
     assert isinstance(wrapped, Lookahead)
     assert isinstance(wrapped._base_optimizer, DistributedShampoo)

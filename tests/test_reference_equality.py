@@ -247,7 +247,7 @@ EC = {
         ),
         pytest.param(
             (4, 5),
-            {"eigendecomposition": "qr", "eigenbasis_tolerance": 0.12},
+            {"eigendecomposition": "qr", "eigenbasis_tolerance": 0.2},
             {"skipped": True, "qr_steps": True},
             id="qr-1-iter-tol",
         ),
@@ -278,9 +278,9 @@ def test_eigenvalue_corrected(shape, config, expect):
         assert ref.stats["eigh"] >= expect["eigh"]
 
 
-def test_qr_refresh_permutes_corrected_eigenvalues():
-    """Eigenvalues of the row factor swap order over time: the QR refresh must re-sort the
-    basis ascending and permute D with it (§3)."""
+def test_qr_refresh_reorders_the_basis_and_leaves_d_as_it_is():
+    """Eigenvalues of the row factor swap order over time: the QR refresh re-sorts the basis
+    ascending, and D keeps its order (Meta's semantics, SPEC §3)."""
     n_steps = 8
     gen = torch.Generator().manual_seed(11)
     grads = []
@@ -292,3 +292,45 @@ def test_qr_refresh_permutes_corrected_eigenvalues():
     config = {**EC, "betas": (0.5, 0.5), "eigendecomposition": "qr", "qr_max_iterations": 1}
     ref = run_against_reference((4, 6), config, grads=grads)
     assert ref.stats["permuted"] > 0
+
+
+# ------------------------------------------------------------------ KL-Shampoo (SPEC §3)
+KL = {"lr": 0.05, "epsilon": 1e-6, "preconditioner": "kl_shampoo", "max_preconditioner_dim": 8}
+
+
+@pytest.mark.parametrize(
+    "shape, config",
+    [
+        pytest.param((4, 5), {}, id="2d"),
+        pytest.param((3, 4, 5), {"max_preconditioner_dim": 5}, id="3d"),
+        pytest.param((6,), {}, id="1d"),
+        pytest.param((12, 5), {"precondition_frequency": 2, "grafting": "adam"},
+                     id="split-f2-adam-grafting"),
+        pytest.param((4, 5), {"betas": (0.9, 0.95), "weight_decay": 0.1, "momentum": 0.5},
+                     id="beta2-wd-momentum"),
+        pytest.param((3, 4, 5), {"max_preconditioner_dim": 5,
+                                 "inverse_exponent_override": {3: {1: 0.0}}},
+                     id="3d-dim-off"),
+    ],
+)
+def test_kl_shampoo(shape, config):
+    run_against_reference(shape, {**KL, **config}, steps=7)
+
+
+def test_kl_shampoo_statistics_differ_from_shampoo():
+    """After the first refresh the factors see the preconditioned gradient: KL-Shampoo and
+    Shampoo then move the parameter differently (the test above is not Shampoo twice)."""
+    from hf_shampoo import DistributedShampoo
+
+    grads = random_tensors((4, 5), 4, seed=3)
+    out = []
+    for kind in ("shampoo", "kl_shampoo"):
+        p = torch.nn.Parameter(torch.zeros(4, 5, dtype=F64))
+        opt = DistributedShampoo([p], lr=0.05, epsilon=1e-6, preconditioner=kind,
+                                 max_preconditioner_dim=8,  # (4, 5) stays 2-D
+                                 factor_matrix_dtype=F64)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        out.append(p.detach().clone())
+    assert (out[0] - out[1]).norm() > 0.05 * out[0].norm(), (out[0] - out[1]).norm() / out[0].norm()

@@ -65,11 +65,16 @@ def test_trainer_fsdp2_resume_is_exact(tmp_path):
     """The Trainer's own FSDP2 path (sharded state dict; a full one fails on a CPU in
     safetensors' model save, before the optimizer is reached)."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", "2", str(root / "tests" / "trainer_fsdp_worker.py"),
-                    str(tmp_path), "SHARDED_STATE_DICT"],
-                   check=True, cwd=root, env=env, timeout=300, capture_output=True)
+    # a fresh environment for torchrun: no rank variables another test may have left here
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(root / "tests" / "trainer_fsdp_worker.py"),
+                           str(tmp_path), "SHARDED_STATE_DICT"],
+                          cwd=root, env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "result_SHARDED_STATE_DICT.json").read_text())
     assert result["distributor"] == "ShardedDistributor"
     assert result["dtensor_params"] > 0

@@ -1,4 +1,4 @@
-"""timm adapter: the optimizer names ``"shampoo"`` and ``"soap"`` in timm's registry.
+"""timm adapter: the names ``"shampoo"``, ``"soap"``, ``"klshampoo"`` in timm's registry.
 
 After ``register()`` (which ``import hf_shampoo`` arranges), ``timm.optim.create_optimizer_v2(
 model, opt="shampoo")`` and timm's ``train.py --device-modules hf_shampoo --opt shampoo`` build
@@ -25,7 +25,7 @@ from ..optimizer import DistributedShampoo
 
 # timm keeps only the part of `opt` after its last underscore ("lookahead_shampoo" is
 # Lookahead around "shampoo"), so these names must not contain one.
-TIMM_OPTIMIZER_NAMES = ("shampoo", "soap")
+TIMM_OPTIMIZER_NAMES = ("shampoo", "soap", "klshampoo")
 # The registry (OptimInfo, default_registry) arrived in timm 1.0.12.
 MIN_TIMM_VERSION = "1.0.12"
 _FACTORY_MODULE = "timm.optim._optim_factory"
@@ -94,6 +94,21 @@ def create_soap(
     kwargs.setdefault("grafting_epsilon", eps)
     kwargs.setdefault("weight_decay_type", "decoupled")
     return _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
+
+
+def create_kl_shampoo(
+    params: Iterable[Any],
+    lr: float | None = ADAMW_LR,
+    weight_decay: float = 0.0,
+    betas: Iterable[float] = ADAMW_BETAS,
+    eps: float | None = None,
+    foreach: bool | None = None,
+    **kwargs: Any,
+) -> DistributedShampoo:
+    """timm's ``opt="klshampoo"``: KL-Shampoo (SPEC §3) with ``"shampoo"``'s defaults (Adam
+    grafting, AdamW's hyperparameters); ``grafting=None`` gives Meta's ungrafted form."""
+    kwargs.setdefault("preconditioner", "kl_shampoo")
+    return create_shampoo(params, lr, weight_decay, betas, eps, foreach, **kwargs)
 
 
 def _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs):
@@ -212,6 +227,12 @@ def _optim_infos(optim_info: type) -> list:
             description="hf_shampoo eigenvalue-corrected Shampoo (SOAP), decoupled weight decay",
             **common,
         ),
+        optim_info(
+            name="klshampoo",
+            opt_class=create_kl_shampoo,
+            description="hf_shampoo KL-Shampoo, Adam grafting, decoupled weight decay",
+            **common,
+        ),
     ]
 
 
@@ -220,7 +241,7 @@ def _is_ours(info: Any) -> bool:
 
 
 def register(registry: Any = None, force: bool = False) -> bool:
-    """Add ``"shampoo"`` and ``"soap"`` to timm's optimizer registry (idempotent).
+    """Add ``"shampoo"``, ``"soap"`` and ``"klshampoo"`` to timm's registry (idempotent).
 
     ``registry`` defaults to timm's ``default_registry``. A name that timm (or someone else)
     already uses for another optimizer is left alone with a warning unless ``force``.

@@ -1,0 +1,229 @@
+"""Parity with Meta's ``distributed_shampoo``: every mode side by side, in float64.
+
+Meta's code is imported from a checkout (``--meta-path``, never vendored). Both optimizers
+get the same float64 parameters and gradients (shapes with orders 0-3 and several blocks,
+``max_preconditioner_dim=16``, ``--steps`` steps, refreshes every 3 steps from step 18); each case prints the relative error
+``max over parameters of ‖W_ours − W_meta‖ / ‖W_meta − W_0‖`` (the parameter movement).
+Exit status 1 when a case exceeds ``--tolerance`` (default 1e-6).
+
+    python benchmarks/parity.py --meta-path ../optimizers
+    python benchmarks/parity.py --meta-path ../optimizers --cases soap_qr1 kl_shampoo
+
+``cases(meta)`` is also what ``tests/test_parity_meta.py`` runs (opt-in: it needs
+``HF_SHAMPOO_META_PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+SHAPES = [(6, 4), (5, 3, 3, 3), (7,), (40, 30), (50,), ()]
+F64 = torch.float64
+
+
+@dataclass
+class Case:
+    name: str
+    ours: dict  # DistributedShampoo keywords
+    meta: Callable[[], dict]  # Meta's DistributedShampoo keywords (built lazily)
+
+
+def _common(**kw) -> dict:
+    # epsilon 1e-6: some factors are rank-deficient after a few steps, and with a tiny
+    # epsilon their null-space eigenvalues (rounding noise + ε) amplify last-bit
+    # differences of two correct implementations far beyond the tolerance
+    # the first refresh at step 18: every factor (at most 16 x 16) is then full rank. A
+    # rank-deficient factor has a degenerate eigenvalue ε whose eigenvectors are arbitrary
+    # (any basis of the null space is right), and eigenvalue correction pairs D's history
+    # with whichever basis eigh returns: two correct implementations then differ at O(1)
+    # lr = 2^-7 is exact in float32, the dtype of Meta's lr tensor (see run_case)
+    base = dict(lr=2.0**-7, betas=(0.9, 0.99), epsilon=1e-6, max_preconditioner_dim=16,
+                precondition_frequency=3, start_preconditioning_step=18)
+    base.update(kw)
+    return base
+
+
+def cases(m) -> list[Case]:
+    """Every case; ``m`` is Meta's ``distributed_shampoo`` module."""
+    from distributed_shampoo.shampoo_types import ClassicMomentumConfig, WeightDecayType
+
+    m.ClassicMomentumConfig = ClassicMomentumConfig
+
+    def grafting(kind: str | None):
+        return {
+            None: None,
+            "sgd": m.SGDPreconditionerConfig(),
+            "adagrad": m.AdaGradPreconditionerConfig(epsilon=1e-8),
+            "rmsprop": m.RMSpropPreconditionerConfig(beta2=0.99, epsilon=1e-8),
+            "adam": m.AdamPreconditionerConfig(beta2=0.99, epsilon=1e-8),
+        }[kind]
+
+    def ours_grafting(kind):
+        if kind in (None, "sgd"):
+            return dict(grafting=kind)
+        return dict(grafting=kind, grafting_beta2=0.99 if kind != "adagrad" else 0.999,
+                    grafting_epsilon=1e-8)
+
+    def shampoo_cfg(**kw):
+        return m.RootInvShampooPreconditionerConfig(factor_matrix_dtype=F64,
+                                                    inv_factor_matrix_dtype=F64, **kw)
+
+    out: list[Case] = []
+    for kind in (None, "sgd", "adagrad", "rmsprop", "adam"):
+        out.append(Case(f"shampoo_graft_{kind}", _common(**ours_grafting(kind)),
+                        lambda kind=kind: _common(grafting_config=grafting(kind),
+                                                  preconditioner_config=shampoo_cfg())))
+    wd_types = {"l2": WeightDecayType.L2, "decoupled": WeightDecayType.DECOUPLED,
+                "corrected": WeightDecayType.CORRECTED, "independent": WeightDecayType.INDEPENDENT}
+    for name, meta_type in wd_types.items():
+        out.append(Case(f"shampoo_wd_{name}",
+                        _common(weight_decay=0.05, weight_decay_type=name, **ours_grafting("adam")),
+                        lambda meta_type=meta_type: _common(
+                            weight_decay=0.05, weight_decay_type=meta_type,
+                            grafting_config=grafting("adam"),
+                            preconditioner_config=shampoo_cfg())))
+    for nesterov in (False, True):
+        out.append(Case(f"shampoo_momentum_nesterov_{nesterov}",
+                        _common(momentum=0.5, nesterov=nesterov, **ours_grafting("adam")),
+                        lambda nesterov=nesterov: _common(
+                            iterate_averaging_config=m.ClassicMomentumConfig(
+                                momentum=0.5, use_nesterov=nesterov),
+                            grafting_config=grafting("adam"),
+                            preconditioner_config=shampoo_cfg())))
+    out.append(Case("shampoo_exponent_override",
+                    _common(inverse_exponent_override={2: {0: 0.0}, 1: 0.3},
+                            **ours_grafting("adam")),
+                    lambda: _common(grafting_config=grafting("adam"),
+                                    preconditioner_config=shampoo_cfg(
+                                        inverse_exponent_override={2: {0: 0.0}, 1: 0.3}))))
+    return out + corrected_cases(m, grafting, ours_grafting)
+
+
+def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
+    """Eigenvalue-corrected Shampoo (SOAP) with eigh and QR, KL-Shampoo."""
+    out: list[Case] = []
+
+    def corrected_cfg(eigen=None, **kw):
+        eigen = eigen or m.EighEigendecompositionConfig()
+        return m.EigenvalueCorrectedShampooPreconditionerConfig(
+            amortized_computation_config=eigen, factor_matrix_dtype=F64,
+            factor_matrix_eigenvectors_dtype=F64, corrected_eigenvalues_dtype=F64, **kw)
+
+    def qr(iterations: int, tolerance: float):
+        return m.QREigendecompositionConfig(max_iterations=iterations, tolerance=tolerance)
+
+    for graft in (None, "adam"):
+        out.append(Case(f"soap_eigh_graft_{graft}",
+                        _common(preconditioner="eigenvalue_corrected", **ours_grafting(graft)),
+                        lambda graft=graft: _common(grafting_config=grafting(graft),
+                                                    preconditioner_config=corrected_cfg())))
+    for tolerance in (0.05, 0.3):  # adaptive eigh refresh (skips where the basis holds)
+        out.append(Case(f"soap_eigh_tol{tolerance}",
+                        _common(preconditioner="eigenvalue_corrected",
+                                eigenbasis_tolerance=tolerance),
+                        lambda t=tolerance: _common(preconditioner_config=corrected_cfg(
+                            m.EighEigendecompositionConfig(tolerance=t)))))
+    for iterations, tolerance in ((1, 0.0), (3, 0.0), (3, 0.05), (1, 0.3)):
+        name = f"soap_qr{iterations}_tol{tolerance}"
+        out.append(Case(name, _common(preconditioner="eigenvalue_corrected",
+                                      eigendecomposition="qr", qr_max_iterations=iterations,
+                                      eigenbasis_tolerance=tolerance),
+                        lambda i=iterations, t=tolerance: _common(
+                            preconditioner_config=corrected_cfg(qr(i, t)))))
+    out.append(Case("soap_wd_momentum",
+                    _common(preconditioner="eigenvalue_corrected", weight_decay=0.05,
+                            momentum=0.5, nesterov=True),
+                    lambda: _common(weight_decay=0.05, iterate_averaging_config=(
+                        m.ClassicMomentumConfig(momentum=0.5, use_nesterov=True)),
+                        preconditioner_config=corrected_cfg())))
+    out.append(Case("soap_exponent_override",
+                    _common(preconditioner="eigenvalue_corrected",
+                            inverse_exponent_override={2: {0: 0.0}, 1: 0.25}),
+                    lambda: _common(preconditioner_config=corrected_cfg(
+                        ignored_basis_change_dims={2: [0]}, inverse_exponent_override={1: 0.25}))))
+    if hasattr(m, "RootInvKLShampooPreconditionerConfig"):
+        for graft in (None, "adam"):
+            out.append(Case(f"kl_shampoo_graft_{graft}",
+                            _common(preconditioner="kl_shampoo", **ours_grafting(graft)),
+                            lambda graft=graft: _common(
+                                grafting_config=grafting(graft),
+                                preconditioner_config=m.RootInvKLShampooPreconditionerConfig(
+                                    factor_matrix_dtype=F64, inv_factor_matrix_dtype=F64))))
+    return out
+
+
+def run_case(case: Case, steps: int, seed: int = 0) -> float:
+    """The relative error of our parameters against Meta's after ``steps`` steps."""
+    from distributed_shampoo import DistributedShampoo as MetaShampoo
+
+    from hf_shampoo import DistributedShampoo
+
+    g = torch.Generator().manual_seed(seed)
+    initial = [torch.randn(s, generator=g, dtype=F64) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g, dtype=F64) for s in SHAPES] for _ in range(steps)]
+    ours = [torch.nn.Parameter(w.clone()) for w in initial]
+    theirs = [torch.nn.Parameter(w.clone()) for w in initial]
+    opt_ours = DistributedShampoo(ours, factor_matrix_dtype=F64, **case.ours)
+    # Meta computes its bias corrections as tensors of the default dtype: float64 here, so
+    # that they are not rounded to float32 (its lr tensor stays float32: lr is exact there)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(F64)
+    try:
+        opt_meta = MetaShampoo(theirs, **case.meta())
+        for step in range(steps):
+            for p, q, grad in zip(ours, theirs, grads[step]):
+                p.grad, q.grad = grad.clone(), grad.clone()
+            opt_meta.step()
+    finally:
+        torch.set_default_dtype(previous)
+    for step in range(steps):
+        for p, grad in zip(ours, grads[step]):
+            p.grad = grad.clone()
+        opt_ours.step()
+    error = 0.0
+    for p, q, w in zip(ours, theirs, initial):
+        movement = (q.detach() - w).norm()
+        if movement > 0:
+            error = max(error, float((p.detach() - q.detach()).norm() / movement))
+    return error
+
+
+def load_meta(path: str | None):
+    if path:
+        sys.path.insert(0, os.path.abspath(path))
+    import distributed_shampoo
+
+    logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)
+    return distributed_shampoo
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--meta-path", default=os.environ.get("HF_SHAMPOO_META_PATH"))
+    parser.add_argument("--steps", type=int, default=27)
+    parser.add_argument("--tolerance", type=float, default=1e-6)
+    parser.add_argument("--cases", nargs="*", default=None)
+    args = parser.parse_args()
+    meta = load_meta(args.meta_path)
+    failed = 0
+    print("| case | relative error | within tolerance |")
+    print("|---|---|---|")
+    for case in cases(meta):
+        if args.cases and case.name not in args.cases:
+            continue
+        error = run_case(case, args.steps)
+        ok = error <= args.tolerance
+        failed += not ok
+        print(f"| {case.name} | {error:.2e} | {'yes' if ok else '**no**'} |", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

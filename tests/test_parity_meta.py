@@ -1,0 +1,34 @@
+"""Parity with Meta's ``distributed_shampoo`` (opt-in): every case of
+``benchmarks/parity.py`` within 1e-6 of the parameter movement, in float64.
+
+Runs when ``HF_SHAMPOO_META_PATH`` points at a checkout of facebookresearch/optimizers
+(Meta's code is imported from there, never vendored); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+META = os.environ.get("HF_SHAMPOO_META_PATH")
+pytestmark = pytest.mark.skipif(not META, reason="set HF_SHAMPOO_META_PATH to a checkout of "
+                                "facebookresearch/optimizers to compare with Meta's numbers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _cases():
+    if not META:
+        return []
+    import parity
+
+    return parity.cases(parity.load_meta(META))
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.name)
+def test_within_1e6_of_meta(case):
+    import parity
+
+    assert parity.run_case(case, steps=27) <= 1e-6
