@@ -2,12 +2,13 @@
 
 Meta's code is imported from a checkout (``--meta-path``, never vendored). Both optimizers
 get the same float64 parameters and gradients (shapes with orders 0-3 and several blocks,
-``max_preconditioner_dim=16``, ``--steps`` steps, refreshes every 3 steps from step 18); each case prints the relative error
-``max over parameters of ‖W_ours − W_meta‖ / ‖W_meta − W_0‖`` (the parameter movement).
+``max_preconditioner_dim=16``, ``--steps`` steps, refreshes every 3 steps from step 18);
+each case prints the relative error ``max over parameters of ‖W_ours − W_meta‖ /
+‖W_meta − W_0‖`` (the parameter movement).
 Exit status 1 when a case exceeds ``--tolerance`` (default 1e-6).
 
     python benchmarks/parity.py --meta-path ../optimizers
-    python benchmarks/parity.py --meta-path ../optimizers --cases soap_qr1 kl_shampoo
+    python benchmarks/parity.py --meta-path ../optimizers --cases soap_qr1_tol0.0 kl_shampoo_graft_None
 
 ``cases(meta)`` is also what ``tests/test_parity_meta.py`` runs (opt-in: it needs
 ``HF_SHAMPOO_META_PATH``).
