@@ -8,7 +8,8 @@ each case prints the relative error ``max over parameters of ‖W_ours − W_met
 Exit status 1 when a case exceeds ``--tolerance`` (default 1e-6).
 
     python benchmarks/parity.py --meta-path ../optimizers
-    python benchmarks/parity.py --meta-path ../optimizers --cases soap_qr1_tol0.0 kl_shampoo_graft_None
+    python benchmarks/parity.py --meta-path ../optimizers \
+        --cases soap_qr1_tol0.0 kl_shampoo_graft_adam
 
 ``cases(meta)`` is also what ``tests/test_parity_meta.py`` runs (opt-in: it needs
 ``HF_SHAMPOO_META_PATH``).
