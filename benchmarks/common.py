@@ -83,11 +83,23 @@ class StaleCounter:
                 self.stale += int(result.stale.sum())
             return result
 
+        def counting_qr(matrices, basis, iterations, tolerance=0.0):
+            # SOAP's QR refresh (Meta's qr_algorithm) checks the criterion itself: count the
+            # matrices whose kept basis fails it before the first iteration
+            if tolerance > 0 or self.count_tolerance_zero:
+                rotated = basis.mT @ matrices @ basis
+                self.checked += matrices.shape[0]
+                self.stale += int((~linalg._off_diagonal_within(rotated, tolerance)).sum())
+            return self._real_qr(matrices, basis, iterations, tolerance)
+
+        self._real_qr = linalg.qr_algorithm
         linalg.check_basis = counting
+        linalg.qr_algorithm = counting_qr
         return self
 
     def __exit__(self, *exc) -> None:
         linalg.check_basis = self._real
+        linalg.qr_algorithm = self._real_qr
 
 
 class SimulatedRank(Distributor):

@@ -34,8 +34,8 @@ SOAP = dict(betas=(0.9, 0.999), epsilon=1e-8, preconditioner="eigenvalue_correct
 
 
 def configs(tolerances: list[float]) -> dict[str, dict | None]:
-    """AdamW, then Shampoo and SOAP each with eigh, QR (τ = 0 and the given τ > 0), and
-    Shampoo with the staggered schedule."""
+    """AdamW, then Shampoo and SOAP each with eigh, QR (τ = 0 and the given τ > 0),
+    Shampoo with the staggered schedule, and KL-Shampoo (Adam grafting)."""
     out: dict[str, dict | None] = {"AdamW": None}
     for name, base in (("Shampoo", SHAMPOO), ("SOAP", SOAP)):
         out[f"{name} eigh"] = dict(base)
@@ -44,6 +44,7 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
                                                      eigenbasis_tolerance=tolerance)
         if name == "Shampoo":
             out[f"{name} eigh staggered"] = dict(base, refresh_schedule="staggered")
+    out["KL-Shampoo eigh"] = dict(SHAMPOO, preconditioner="kl_shampoo")
     return out
 
 

@@ -38,6 +38,8 @@ SCENARIOS: dict[str, dict] = {
                                preconditioner="eigenvalue_corrected", eigendecomposition="qr",
                                precondition_frequency=2, max_preconditioner_dim=16,
                                refresh_schedule="staggered"),
+    "kl_shampoo_adam": dict(lr=0.01, preconditioner="kl_shampoo", grafting="adam",
+                            precondition_frequency=2, max_preconditioner_dim=16),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
 }

@@ -43,6 +43,8 @@ SCENARIOS["diagonal_adam"] = dict(lr=0.01, preconditioner="diagonal", grafting="
 SCENARIOS["sgd_grafting_eigh"] = dict(lr=0.01, grafting="sgd", betas=(0.0, 0.99),
                                       preconditioner="eigenvalue_corrected",
                                       precondition_frequency=2, max_preconditioner_dim=16)
+SCENARIOS["kl_shampoo"] = dict(lr=0.01, preconditioner="kl_shampoo", grafting="adam",
+                               precondition_frequency=2, max_preconditioner_dim=16)
 SCENARIOS["compute_cost_f64"] = dict(lr=0.01, grafting="sgd", precondition_frequency=3,
                                      max_preconditioner_dim=8, assignment_cost="compute",
                                      factor_matrix_dtype=torch.float64)

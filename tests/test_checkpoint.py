@@ -70,6 +70,13 @@ CONFIGS = {
         "precondition_frequency": 3,
         "start_preconditioning_step": 3,
     },
+    "kl-shampoo": {
+        "max_preconditioner_dim": 4,
+        "preconditioner": "kl_shampoo",
+        "grafting": "adam",
+        "betas": (0.9, 0.99),
+        "precondition_frequency": 2,
+    },
 }
 
 
