@@ -35,7 +35,8 @@ SOAP = dict(betas=(0.9, 0.999), epsilon=1e-8, preconditioner="eigenvalue_correct
 
 def configs(tolerances: list[float]) -> dict[str, dict | None]:
     """AdamW, then Shampoo and SOAP each with eigh, QR (τ = 0 and the given τ > 0),
-    Shampoo with the staggered schedule, and KL-Shampoo (Adam grafting)."""
+    Shampoo with the staggered schedule, SOAP with ``eigenbasis_variant="descending"``, and
+    KL-Shampoo (Adam grafting)."""
     out: dict[str, dict | None] = {"AdamW": None}
     for name, base in (("Shampoo", SHAMPOO), ("SOAP", SOAP)):
         out[f"{name} eigh"] = dict(base)
@@ -44,6 +45,12 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
                                                      eigenbasis_tolerance=tolerance)
         if name == "Shampoo":
             out[f"{name} eigh staggered"] = dict(base, refresh_schedule="staggered")
+    # SOAP with our former refresh (descending bases, D permuted; eigenbasis_variant)
+    descending = dict(SOAP, eigenbasis_variant="descending")
+    out["SOAP-desc eigh"] = dict(descending)
+    for tolerance in [0.0, *tolerances]:
+        out[f"SOAP-desc qr τ={tolerance:g}"] = dict(descending, eigendecomposition="qr",
+                                                   eigenbasis_tolerance=tolerance)
     out["KL-Shampoo eigh"] = dict(SHAMPOO, preconditioner="kl_shampoo")
     return out
 

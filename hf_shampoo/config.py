@@ -31,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "eigendecomposition": "eigh",
     "eigenbasis_tolerance": 0.0,
     "qr_max_iterations": 1,
+    "eigenbasis_variant": "meta",
     "inverse_exponent_override": None,
     "grafting": None,
     "grafting_beta2": 0.999,
@@ -52,6 +53,11 @@ PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal", "kl_shampoo")
 # kinds whose preconditioner is a product of per-dim inverse roots (SPEC §2)
 ROOT_INVERSE_KINDS = ("shampoo", "kl_shampoo")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
+# Eigenvalue-corrected refreshes (SPEC §3): "meta" = Meta's numbers (eigh's ascending basis,
+# QR in the rotated frame from the kept basis, D never permuted); "descending" = bases
+# sorted by descending eigenvalue, first refresh by eigh, QR steps qr(A Q), D permuted with
+# the basis (warm-started QR keeps more bases valid: BENCHMARKS.md, convergence).
+EIGENBASIS_VARIANTS = ("meta", "descending")
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
 DISTRIBUTED_MODES = ("auto", "none", "ddp", "fsdp")
@@ -182,6 +188,7 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_choice("eigendecomposition", group["eigendecomposition"], EIGENDECOMPOSITIONS)
     _check_real("eigenbasis_tolerance", group["eigenbasis_tolerance"], 0.0, 1.0)
     _check_int("qr_max_iterations", group["qr_max_iterations"], 1)
+    _check_choice("eigenbasis_variant", group["eigenbasis_variant"], EIGENBASIS_VARIANTS)
     _check_exponent_override(group["inverse_exponent_override"])
     if group["preconditioner"] == "eigenvalue_corrected":
         _check_corrected_override(group["inverse_exponent_override"])

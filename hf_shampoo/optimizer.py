@@ -85,6 +85,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         eigendecomposition: str = DEFAULTS["eigendecomposition"],
         eigenbasis_tolerance: float = DEFAULTS["eigenbasis_tolerance"],
         qr_max_iterations: int = DEFAULTS["qr_max_iterations"],
+        eigenbasis_variant: str = DEFAULTS["eigenbasis_variant"],
         inverse_exponent_override: dict | None = DEFAULTS["inverse_exponent_override"],
         grafting: str | None = DEFAULTS["grafting"],
         grafting_beta2: float = DEFAULTS["grafting_beta2"],

@@ -387,10 +387,11 @@ class BlockStack:
         epsilon = group["epsilon"]
         keeps = self.keeps_basis(group)
         corrected = group["preconditioner"] == "eigenvalue_corrected"
+        meta = corrected and group["eigenbasis_variant"] == "meta"
         # eigenvalue-corrected with QR: Meta's qr_algorithm from the kept basis (the
         # identity before the first refresh), which checks the criterion itself (SPEC §3)
-        meta_qr = corrected and group["eigendecomposition"] == "qr"
-        use_qr = group["eigendecomposition"] == "qr" and not first and not corrected
+        meta_qr = meta and group["eigendecomposition"] == "qr"
+        use_qr = group["eigendecomposition"] == "qr" and not first and not meta_qr
         device = job.grad.device
         picked = _Rows(rows, job.grad.shape[0], device)  # local indices count within rows
 
@@ -404,11 +405,11 @@ class BlockStack:
                     f"refresh_matrix_{j}", factor.shape, factor.dtype, device))
             n, d = matrix.shape[0], matrix.shape[-1]
             plan = _DimRefresh(j, matrix, torch.arange(n, device=device), matrix.new_zeros(n, d))
-            if keeps and (not first or corrected) and not meta_qr:
+            if keeps and (not first or meta) and not meta_qr:
                 # eigenvalue-corrected: Meta checks A + εI, also against the identity basis
                 # at the first refresh (τ = 0 marks every matrix stale either way)
                 checked = matrix
-                if corrected and group["eigenbasis_tolerance"] > 0:
+                if meta and group["eigenbasis_tolerance"] > 0:
                     checked = matrix + epsilon * torch.eye(d, dtype=matrix.dtype, device=device)
                 plan.check = linalg.check_basis(
                     checked, picked.take(state[f"eigenvectors_{j}"]),
@@ -486,10 +487,10 @@ class BlockStack:
                 sub_ok = (linalg.finite_rows(basis) & linalg.finite_rows(estimates)).cpu()
             else:
                 basis, new_values = eig.eigenvectors, eig.eigenvalues
-                if keeps and shampoo:  # our QR keeps bases by descending eigenvalue
+                # our QR keeps bases by descending eigenvalue; eigenvalue-corrected with
+                # eigenbasis_variant="meta": eigh's ascending order, paired with D as it is
+                if keeps and (shampoo or group["eigenbasis_variant"] == "descending"):
                     basis, new_values = basis.flip(-1), new_values.flip(-1)
-                # (eigenvalue-corrected: eigh's ascending order, paired with D as it is,
-                # as Meta does; SPEC §3)
                 sub_ok = torch.tensor(eig.ok, dtype=torch.bool)
             if not bool(sub_ok.all()):
                 ok[todo.cpu()] = sub_ok

@@ -15,10 +15,6 @@ Choices the spec leaves open, and what this reference does (Meta's
     not listed in a ``{dim: e}`` dict keeps the default ``1/(2k)``.  ``e = 0`` gives the
     identity for that dim (the factor is still accumulated, it is simply never used).
     Overrides are modelled for ``preconditioner="shampoo"`` and ``"kl_shampoo"``.
-11. KL-Shampoo (``preconditioner="kl_shampoo"``, Meta's ``RootInvKLShampooPreconditionerList``):
-    roots as Shampoo; the statistics of factor ``j`` are built from the gradient multiplied
-    along every other dim ``i`` by that dim's current inverse root ``I_i`` (before this
-    step's refresh; the identity before the first).
 3.  The ε / λ_min rule (§2): ``L, V = eigh(A + εI)``; if ``min(L) < ε`` every eigenvalue
     is shifted by ``ε - min(L)``, as ``(L - min(L)) + ε`` (Meta's two roundings: the smallest
     is then exactly ε); ``I = V diag(L^-e) Vᵀ``.
@@ -46,6 +42,15 @@ Choices the spec leaves open, and what this reference does (Meta's
     the fourth failure in a row of the same factor raises.
 10. ``schedule_offset`` (``refresh_schedule="staggered"``) delays the schedule: the
     refresh rule and the grafting-only phase read ``t - offset`` instead of ``t``.
+11. KL-Shampoo (``preconditioner="kl_shampoo"``, Meta's ``RootInvKLShampooPreconditionerList``):
+    roots as Shampoo; the statistics of factor ``j`` are built from the gradient multiplied
+    along every other dim ``i`` by that dim's current inverse root ``I_i`` (before this
+    step's refresh; the identity before the first).
+12. ``eigenbasis_variant="descending"`` (our former reading of §3): the first refresh of a
+    factor is ``eigh(A + εI)`` without the criterion; later ones check it on ``A``; every
+    kept basis is sorted by descending eigenvalue (eigh's output flipped); QR steps are
+    ``Q, _ = qr(A Q)`` on ``A`` (no εI), then a stable descending sort of ``diag(QᵀAQ)``
+    with ``D`` permuted along that dim by the same permutation (not after 0 steps).
 """
 
 from __future__ import annotations
@@ -148,6 +153,7 @@ class ReferenceShampoo:
         eigendecomposition: str = "eigh",
         eigenbasis_tolerance: float = 0.0,
         qr_max_iterations: int = 1,
+        eigenbasis_variant: str = "meta",
         inverse_exponent_override: dict | None = None,
         grafting: str | None = None,
         grafting_beta2: float = 0.999,
@@ -178,6 +184,7 @@ class ReferenceShampoo:
         self.eigendecomposition = eigendecomposition
         self.tol = eigenbasis_tolerance
         self.qr_iters = qr_max_iterations
+        self.variant = eigenbasis_variant
         self.override = inverse_exponent_override or {}
         self.grafting_type = grafting
         self.gb2 = grafting_beta2
@@ -253,6 +260,9 @@ class ReferenceShampoo:
             blk.inv_roots[j] = vec @ torch.diag(lam.pow(-exps[j])) @ vec.T
 
     def _refresh_eigenbasis(self, blk: _Block, bc2: float) -> None:
+        if self.variant == "descending":
+            self._refresh_eigenbasis_descending(blk, bc2)
+            return
         for j, fac in enumerate(blk.factors):
             a = fac / bc2
             self._check_finite(a, j)
@@ -282,6 +292,45 @@ class ReferenceShampoo:
             if not torch.equal(order, torch.arange(len(order))):
                 self.stats["permuted"] += 1
             blk.bases[j] = q[:, order]
+
+    def _refresh_eigenbasis_descending(self, blk: _Block, bc2: float) -> None:
+        """``eigenbasis_variant="descending"`` (note 12)."""
+        for j, fac in enumerate(blk.factors):
+            a = fac / bc2
+            self._check_finite(a, j)
+            a_eps = a + self.eps * torch.eye(a.shape[0], dtype=torch.float64)
+            q = blk.bases[j]
+            if not blk.has_basis[j]:
+                res = self._eigh(a_eps, blk, j)
+                if res is not None:
+                    blk.bases[j] = res[1].flip(-1)  # descending, see note 4
+                    blk.has_basis[j] = True
+                    self.stats["eigh"] += 1
+                continue
+            if self.eigendecomposition == "eigh":
+                if off_diagonal_ratio_small(q.T @ a @ q, self.tol):
+                    self.stats["skipped"] += 1
+                    continue
+                res = self._eigh(a_eps, blk, j)
+                if res is not None:
+                    blk.bases[j] = res[1].flip(-1)
+                    self.stats["eigh"] += 1
+                continue
+            # warm-started QR (§3)
+            steps = 0
+            while steps < self.qr_iters and not off_diagonal_ratio_small(q.T @ a @ q, self.tol):
+                q, _ = torch.linalg.qr(a @ q)
+                steps += 1
+            self.stats["qr_steps"] += steps
+            if steps == 0:
+                self.stats["skipped"] += 1
+                continue
+            estimates = torch.diag(q.T @ a @ q)
+            order = torch.sort(estimates, descending=True, stable=True).indices
+            if not torch.equal(order, torch.arange(len(order))):
+                self.stats["permuted"] += 1
+            blk.bases[j] = q[:, order]
+            blk.corrected = blk.corrected.index_select(j, order)
 
     def _rotate(self, x: Tensor, blk: _Block, transpose: bool) -> Tensor:
         for j, q in enumerate(blk.bases):

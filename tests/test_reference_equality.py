@@ -278,6 +278,52 @@ def test_eigenvalue_corrected(shape, config, expect):
         assert ref.stats["eigh"] >= expect["eigh"]
 
 
+DESCENDING = [
+    pytest.param((4, 5), {}, {"eigh": 3}, id="eigh"),
+    pytest.param((4, 5), {"eigenbasis_tolerance": 0.12}, {"skipped": True, "eigh": 3},
+                 id="eigh-tolerance"),
+    pytest.param((4, 5), {"eigendecomposition": "qr"}, {"qr_steps": True}, id="qr-1-iter"),
+    pytest.param((4, 5), {"eigendecomposition": "qr", "eigenbasis_tolerance": 0.12},
+                 {"skipped": True, "qr_steps": True}, id="qr-1-iter-tol"),
+    pytest.param((3, 4, 5), {"eigendecomposition": "qr", "max_preconditioner_dim": 5,
+                             "qr_max_iterations": 2}, {"qr_steps": True}, id="qr-3d"),
+]
+
+
+@pytest.mark.parametrize("shape, config, expect", DESCENDING)
+def test_eigenvalue_corrected_descending_variant(shape, config, expect):
+    """eigenbasis_variant="descending": our former reading of SPEC §3 (reference note 12)."""
+    config = {**EC, "eigenbasis_variant": "descending", **config}
+    ref = run_against_reference(shape, config, steps=8)
+    if expect.get("skipped"):
+        assert ref.stats["skipped"] > 0
+    if expect.get("qr_steps"):
+        assert ref.stats["qr_steps"] > 0
+    if "eigh" in expect:
+        assert ref.stats["eigh"] >= expect["eigh"]
+
+
+def test_descending_variant_permutes_d_and_differs_from_meta():
+    n_steps = 8
+    gen = torch.Generator().manual_seed(11)
+    grads = []
+    for t in range(n_steps):
+        scales = torch.tensor([3.0, 1.0, 0.3, 0.1], dtype=F64)
+        if t >= 3:
+            scales = scales.flip(0)
+        grads.append(scales[:, None] * torch.randn(4, 6, generator=gen, dtype=F64))
+    config = {**EC, "betas": (0.5, 0.5), "eigendecomposition": "qr",
+              "eigenbasis_variant": "descending"}
+    ref = run_against_reference((4, 6), config, grads=grads)
+    assert ref.stats["permuted"] > 0
+    meta = ReferenceShampoo(grads[0] * 0 + 1, **{**config, "eigenbasis_variant": "meta"})
+    other = ReferenceShampoo(grads[0] * 0 + 1, **config)
+    for g in grads:
+        meta.step(g)
+        other.step(g)
+    assert (meta.param - other.param).abs().max() > 1e-3
+
+
 def test_qr_refresh_reorders_the_basis_and_leaves_d_as_it_is():
     """Eigenvalues of the row factor swap order over time: the QR refresh re-sorts the basis
     ascending, and D keeps its order (Meta's semantics, SPEC §3)."""
