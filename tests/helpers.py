@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from tests.reference_shampoo import ReferenceShampoo
@@ -54,3 +57,18 @@ def run_against_reference(
     # the parameter moved at all (guards against a test that compares two no-ops)
     assert not torch.equal(param.detach(), w0)
     return ref
+
+
+@contextlib.contextmanager
+def one_thread_per_process():
+    """``OMP_NUM_THREADS=1`` for processes spawned inside (several ranks on 2 cores run
+    10-20x slower oversubscribed), restored afterwards."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous

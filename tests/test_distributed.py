@@ -17,6 +17,7 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.distributed import block_cost, greedy_assignment
 from hf_shampoo.distributed_checkpoint import consolidate_checkpoint, load_sharded
 from tests import distributed_worker as worker
+from tests.helpers import one_thread_per_process
 
 torch.set_num_threads(1)
 
@@ -26,9 +27,7 @@ def runs():
     """{world: [rank results]} for worlds 2 and 3 (world 3 resumes world 2's checkpoint)."""
     root = tempfile.mkdtemp(prefix="hf_shampoo_dist_")
     out = {}
-    previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread_per_process():
         for world, resume in ((2, None), (3, os.path.join(root, "w2", "sharded2"))):
             out_dir = os.path.join(root, f"w{world}")
             os.makedirs(out_dir)
@@ -37,11 +36,6 @@ def runs():
                      nprocs=world, join=True)
             out[world] = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                           for r in range(world)]
-    finally:
-        if previous is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = previous
     out["root"] = root
     return out
 

@@ -303,8 +303,9 @@ def test_eigenvalue_corrected_descending_variant(shape, config, expect):
         assert ref.stats["eigh"] >= expect["eigh"]
 
 
-def test_descending_variant_permutes_d_and_differs_from_meta():
-    n_steps = 8
+def _swapping_row_scales(n_steps: int = 8) -> list:
+    """(4, 6) gradients whose row scales reverse at step 4: the row factor's eigenvalues
+    swap order, so a QR refresh must reorder the basis."""
     gen = torch.Generator().manual_seed(11)
     grads = []
     for t in range(n_steps):
@@ -312,6 +313,11 @@ def test_descending_variant_permutes_d_and_differs_from_meta():
         if t >= 3:
             scales = scales.flip(0)
         grads.append(scales[:, None] * torch.randn(4, 6, generator=gen, dtype=F64))
+    return grads
+
+
+def test_descending_variant_permutes_d_and_differs_from_meta():
+    grads = _swapping_row_scales()
     config = {**EC, "betas": (0.5, 0.5), "eigendecomposition": "qr",
               "eigenbasis_variant": "descending"}
     ref = run_against_reference((4, 6), config, grads=grads)
@@ -327,14 +333,7 @@ def test_descending_variant_permutes_d_and_differs_from_meta():
 def test_qr_refresh_reorders_the_basis_and_leaves_d_as_it_is():
     """Eigenvalues of the row factor swap order over time: the QR refresh re-sorts the basis
     ascending, and D keeps its order (Meta's semantics, SPEC §3)."""
-    n_steps = 8
-    gen = torch.Generator().manual_seed(11)
-    grads = []
-    for t in range(n_steps):
-        scales = torch.tensor([3.0, 1.0, 0.3, 0.1], dtype=F64)
-        if t >= 3:
-            scales = scales.flip(0)
-        grads.append(scales[:, None] * torch.randn(4, 6, generator=gen, dtype=F64))
+    grads = _swapping_row_scales()
     config = {**EC, "betas": (0.5, 0.5), "eigendecomposition": "qr", "qr_max_iterations": 1}
     ref = run_against_reference((4, 6), config, grads=grads)
     assert ref.stats["permuted"] > 0

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from hf_shampoo import DistributedShampoo
 from tests import sharded_worker as worker
+from tests.helpers import one_thread_per_process
 
 torch.set_num_threads(1)
 MESHES = {"w2": (2, False, None), "w3": (3, False, "w2"), "hsdp": (4, True, "w3")}
@@ -26,9 +27,7 @@ MESHES = {"w2": (2, False, None), "w3": (3, False, "w2"), "hsdp": (4, True, "w3"
 def runs():
     root = tempfile.mkdtemp(prefix="hf_shampoo_fsdp_")
     out = {}
-    previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread_per_process():
         for name, (world, hsdp, resume) in MESHES.items():
             out_dir = os.path.join(root, name)
             os.makedirs(out_dir)
@@ -40,11 +39,6 @@ def runs():
                      nprocs=world, join=True)
             out[name] = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                          for r in range(world)]
-    finally:
-        if previous is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = previous
     for name, results in out.items():
         errors = [r["error"] for r in results if "error" in r]
         assert not errors, f"{name}: {errors[0]}"

@@ -23,21 +23,15 @@ import torch.multiprocessing as mp
 
 from hf_shampoo import DistributedShampoo
 from tests import accelerate_fsdp_worker as worker
+from tests.helpers import one_thread_per_process
 
 
 @pytest.fixture(scope="module")
 def accelerate_runs():
     root = tempfile.mkdtemp(prefix="hf_shampoo_acc_fsdp_")
-    previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread_per_process():
         mp.spawn(worker.run_world, args=(2, os.path.join(root, "init"), root), nprocs=2,
                  join=True)
-    finally:
-        if previous is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = previous
     results = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False)
                for r in range(2)]
     errors = [r["error"] for r in results if "error" in r]
