@@ -219,8 +219,7 @@ class ShardedDistributor(Distributor):
         self.directions_out: list[tuple[int, Piece]] = []  # (holder rank, piece), my blocks
         self.directions_in: list[tuple[int, Piece]] = []  # (owner rank, piece) of my shard
         self.local_pieces: list[Piece] = []  # rows of my blocks that I hold myself
-        self.param_count = 0
-        self.bytes_last_step = 0
+        self.bytes_last_step = 0  # sent + received by this rank in the last step
 
     def global_rank_and_world(self) -> tuple[int, int]:
         return self.rank, self.world_size
@@ -279,7 +278,7 @@ class ShardedDistributor(Distributor):
         self.pieces_in, self.pieces_out = [], []
         self.directions_in, self.directions_out, self.local_pieces = [], [], []
         self._device = stacks[0].device if stacks else torch.device("cpu")
-        my_replica, my_shard = self.coordinate
+        my_shard = self.coordinate[1]
         for stack in stacks:
             mine = stack.rank == self.rank
             if mine:
