@@ -121,6 +121,17 @@ class Distributor:
     def all_gather(self) -> None:
         pass
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective where there are several)."""
+        return flag
+
+
+def world_any(flag: bool, device: torch.device) -> bool:
+    """``flag`` OR-ed over every rank of the default group (one tiny ``all_reduce``)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
 
 def _active_members(stack) -> list[int]:
     """Positions of the stack's blocks whose parameter has a gradient this step."""
@@ -262,6 +273,10 @@ class DataParallelDistributor(Distributor):
             stack.directions = self.buffer[start : start + numel].view(
                 len(stack.members), *stack.shape
             )
+
+    def any_rank(self, flag: bool) -> bool:
+        device = self.buffer.device if self.buffer is not None else torch.device("cpu")
+        return world_any(flag, device)
 
     def all_gather(self) -> None:
         if self.buffer is None or self.segment == 0:

@@ -297,7 +297,13 @@ class DistributedShampoo(torch.optim.Optimizer):
                 flags = [finite_rows(f) for f in factors.values()]
                 checks.append((stack, job, torch.stack(flags).all(0) if flags else None))
         checks = [c for c in checks if c[2] is not None]
-        if checks and not bool(torch.stack([ok.all() for *_, ok in checks]).all()):
+        local_bad = bool(checks) and not bool(torch.stack([ok.all() for *_, ok in checks]).all())
+        bad_anywhere = local_bad
+        if _refreshes_somewhere(layout, self.param_groups, steps, active_members):
+            # every rank learns whether any refreshed factor is non-finite, so that all raise
+            # together instead of the others waiting in the next collective forever
+            bad_anywhere = distributor.any_rank(local_bad)
+        if local_bad:
             for stack, job, ok in checks:
                 bad = (~ok).nonzero().flatten().tolist()
                 if bad:
@@ -307,6 +313,12 @@ class DistributedShampoo(torch.optim.Optimizer):
                         f"{member.name!r} (block {member.block_index}) at step "
                         f"{job.step}; no parameter was changed by this step"
                     )
+        if bad_anywhere:
+            raise ShampooNumericalError(
+                "DistributedShampoo: another rank found a non-finite factor matrix at step "
+                f"{max(steps)} (its error names the parameter); no parameter was changed by "
+                "this step"
+            )
 
         # 3. search directions of owned blocks, written as -lr * P into the buffers
         for stack, job in jobs:
@@ -457,6 +469,21 @@ class DistributedShampoo(torch.optim.Optimizer):
              "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0}
             for s in layout.stacks for i, b in enumerate(s.members)
         ]
+
+
+def _refreshes_somewhere(layout: Layout, groups: list[dict], steps: list[int],
+                         active: dict[int, list[int]]) -> bool:
+    """Whether any block with a gradient, on any rank, refreshes this step (the same answer
+    on every rank: schedules and active blocks agree everywhere)."""
+    for stack in layout.stacks:
+        members = active[id(stack)]
+        if not members:
+            continue
+        group, step = groups[stack.group_index], steps[stack.group_index]
+        offsets = {stack.refresh_offsets[i] for i in members} if stack.refresh_offsets else {0}
+        if any(is_refresh_step(group, step, offset) for offset in offsets):
+            return True
+    return False
 
 
 def _plan(

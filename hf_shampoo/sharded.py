@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .distributed import Distributor, apply_directions, block_cost
+from .distributed import Distributor, apply_directions, block_cost, world_any
 
 _SUPPORTED = (
     "DistributedShampoo supports plain parameters (one process, DDP) and FSDP2 "
@@ -390,6 +390,9 @@ class ShardedDistributor(Distributor):
                 start = offsets[source]
                 rows.copy_(received[source][start : start + piece.numel].view(rows.shape))
                 offsets[source] += piece.numel
+
+    def any_rank(self, flag: bool) -> bool:
+        return world_any(flag, self._device)
 
     def stacked_grads(self, stack, active: list[int]) -> Tensor:
         buffer = stack.gathered_grad

@@ -159,6 +159,20 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
         load_sharded(opt, resume_dir)
         train(config, steps=3, params=params, optimizer=opt, first_step=4)
         results["resumed"] = [p.detach().clone() for p in params]
+    # a NaN gradient at a refresh step: every rank raises (the owner names the parameter),
+    # none waits in the all-gather, and no parameter moves
+    from hf_shampoo import ShampooNumericalError
+
+    params, opt = train(SCENARIOS["shampoo_adam"], steps=1)
+    before = [p.detach().clone() for p in params]
+    set_grads(params, 2, no_grad={})
+    params[1].grad[0, 0] = float("nan")
+    try:
+        opt.step()
+        results["nan"] = "stepped"
+    except ShampooNumericalError as error:
+        results["nan"] = str(error)
+    results["nan_unchanged"] = all(torch.equal(p, b) for p, b in zip(params, before))
     results["ddp"] = _ddp_scenario(rank, world)
     results["accelerate"] = _accelerate_scenario(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -178,6 +178,25 @@ def _checkpoints(mesh, out_dir: str, resume_dir: str | None, results: dict) -> N
         results["dcp_resumed"] = [full(p) for p in params]
 
 
+def _non_finite_refresh(mesh, results: dict) -> None:
+    """A NaN gradient row reaches one block's owner at a refresh step: every rank raises
+    (none waits in a collective), and no parameter moves."""
+    from hf_shampoo import ShampooNumericalError
+
+    params, opt = train(mesh, SCENARIOS["shampoo_adam"], steps=1)
+    before = [full(p) for p in params]
+    set_sharded_grads(params, mesh, 2)
+    grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(5))
+    grad[0, 0] = float("nan")
+    params[1].grad = distribute_tensor(grad, mesh, placements(mesh))
+    try:
+        opt.step()  # step 2 refreshes every block (precondition_frequency 2)
+        results["nan"] = "stepped"
+    except ShampooNumericalError as error:
+        results["nan"] = str(error)
+    results["nan_unchanged"] = all(torch.equal(full(p), b) for p, b in zip(params, before))
+
+
 def _local_mode(mesh, results: dict) -> None:
     """fsdp_mode="local" equals one process run on this rank's local shards."""
     config = dict(SCENARIOS["shampoo_adam"], fsdp_mode="local")
@@ -233,6 +252,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
                              "kind": type(opt._distributor).__name__,
                              "bytes": opt._distributor.bytes_last_step}
         _checkpoints(mesh, out_dir, resume_dir, results)
+        _non_finite_refresh(mesh, results)
         _local_mode(mesh, results)
         _fully_shard_model(mesh, results)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it

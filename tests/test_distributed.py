@@ -196,3 +196,11 @@ def test_ddp_example_launches_with_torchrun():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2:" in result.stdout
     assert "ranks hold identical parameters: True" in result.stdout
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_non_finite_factor_stops_every_rank_and_moves_nothing(runs, world):
+    messages = [r["nan"] for r in runs[world]]
+    assert all(m != "stepped" and "no parameter was changed" in m for m in messages)
+    assert any("param 1 (shape (40, 20))" in m for m in messages)  # the owner names it
+    assert all(r["nan_unchanged"] for r in runs[world])

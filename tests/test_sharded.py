@@ -124,6 +124,15 @@ def test_full_state_dict_after_consolidation_round_trips(runs, mesh):
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
+def test_a_non_finite_factor_stops_every_rank_and_moves_nothing(runs, mesh):
+    messages = [r["nan"] for r in runs[mesh]]
+    assert all(m != "stepped" for m in messages)
+    assert any("'group 0 param 1 (shape (40, 20))'" in m for m in messages)  # the owner
+    assert all("no parameter was changed" in m for m in messages)
+    assert all(r["nan_unchanged"] for r in runs[mesh])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
 def test_local_mode_is_one_process_on_each_local_shard(runs, mesh):
     world = len(runs[mesh])
     shards = 2 if mesh == "hsdp" else world
