@@ -79,9 +79,14 @@ class Distributor:
         """This process's global rank and world size (0 and 1 in one process)."""
         return 0, 1
 
+    def local(self, tensor: Tensor) -> Tensor:
+        """The part of a parameter (or gradient) this rank blocks, stacks and updates: all
+        of it here; a rank's shard with ``fsdp_mode="local"``."""
+        return tensor
+
     def blocking_shape(self, param: Tensor) -> tuple[int, ...]:
         """The shape a parameter is blocked as (SPEC §1: the full parameter's)."""
-        return tuple(param.shape)
+        return tuple(self.local(param).shape)
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
         return [0] * len(block_shapes)
@@ -106,17 +111,18 @@ class Distributor:
     def stacked_grads(self, stack, active: list[int]) -> Tensor:
         """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype."""
         full = len(active) == len(stack.members)
-        return _stacked(stack, active, lambda p: p.grad, grad_buffer(stack) if full else None)
+        return _stacked(stack, active, lambda p: self.local(p.grad),
+                        stack_buffer(stack, "gathered_grad") if full else None)
 
     def stacked_params(self, stack, active: list[int], out: Tensor) -> Tensor:
         """The parameter blocks of ``active`` members, into ``out``."""
-        return _stacked(stack, active, lambda p: p, out)
+        return _stacked(stack, active, self.local, out)
 
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
         """Share the owners' directions (``all_gather``) and add every block's to its
         parameter."""
         self.all_gather()
-        apply_directions(layout, active)
+        apply_directions(layout, active, self.local)
 
     def all_gather(self) -> None:
         pass
@@ -149,13 +155,14 @@ def _active_members(stack) -> list[int]:
     return active
 
 
-def grad_buffer(stack) -> Tensor:
-    """The stack's persistent ``(n, *shape)`` gradient buffer (allocated once)."""
+def stack_buffer(stack, name: str) -> Tensor:
+    """The stack's persistent ``(n, *shape)`` buffer ``stack.<name>`` in the working dtype
+    (``gathered_grad``, ``gathered_param``), allocated once."""
     shape = (len(stack.members), *stack.shape)
-    buffer = stack.gathered_grad
+    buffer = getattr(stack, name)
     if buffer is None or buffer.shape != shape or buffer.device != stack.device:
         buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
-        stack.gathered_grad = buffer
+        setattr(stack, name, buffer)
     return buffer
 
 
@@ -178,7 +185,7 @@ def _stacked(stack, active: list[int], tensor_of, out: Tensor | None = None) -> 
     return out
 
 
-def apply_directions(layout, active: dict[int, list[int]], tensor_of=lambda p: p) -> None:
+def apply_directions(layout, active: dict[int, list[int]], tensor_of) -> None:
     """Add every block's direction (this rank's and the all-gathered ones) to its
     parameter (``tensor_of(param)``); ``active`` holds the blocks with a gradient."""
     targets: list[Tensor] = []

@@ -219,11 +219,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             # (having called state_dict() / load_state_dict() on the unsharded ones). State
             # that training or a load put there moves to the new layout by block identity.
             if any(group["step"] > 0 for group in self.param_groups):
-                old = self._layout
-                carried = checkpoint.pack(self.param_groups, old.owned,
-                                          *self._rank_and_world(),
-                                          not self._distributor.is_sharded_state,
-                                          self._key_prefix())
+                carried = self._pack(self._layout.owned)
             self._layout = None
         if self._layout is None:
             self._distributor = self._pick_distributor()
@@ -299,7 +295,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         checks = [c for c in checks if c[2] is not None]
         local_bad = bool(checks) and not bool(torch.stack([ok.all() for *_, ok in checks]).all())
         bad_anywhere = local_bad
-        if _refreshes_somewhere(layout, self.param_groups, steps, active_members):
+        if distributor.world_size > 1 and _refreshes_somewhere(
+            layout, self.param_groups, steps, active_members
+        ):
             # every rank learns whether any refreshed factor is non-finite, so that all raise
             # together instead of the others waiting in the next collective forever
             bad_anywhere = distributor.any_rank(local_bad)
@@ -397,11 +395,14 @@ class DistributedShampoo(torch.optim.Optimizer):
     def local_state_dict(self) -> dict[str, Any]:
         """The state of the blocks this rank owns (the whole state in one process)."""
         layout = self._ensure_layout()
-        d = self._distributor
         for stack in layout.owned:  # every owned block has state, also before its first step
             stack.materialize(self.param_groups[stack.group_index])
-        return checkpoint.pack(self.param_groups, layout.owned, *self._rank_and_world(),
-                               not d.is_sharded_state, self._key_prefix())
+        return self._pack(layout.owned)
+
+    def _pack(self, owned: list[BlockStack]) -> dict[str, Any]:
+        """The state dict of these (this rank's) stacks, marked complete or not."""
+        return checkpoint.pack(self.param_groups, owned, *self._rank_and_world(),
+                               not self._distributor.is_sharded_state, self._key_prefix())
 
     def _rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and world size (0 and 1 in one process)."""

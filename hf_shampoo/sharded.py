@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .distributed import Distributor, apply_directions, block_cost, world_any
+from .distributed import Distributor, block_cost, stack_buffer, world_any
 
 _SUPPORTED = (
     "DistributedShampoo supports plain parameters (one process, DDP) and FSDP2 "
@@ -329,7 +329,7 @@ class ShardedDistributor(Distributor):
         order = sorted(params)
         device = next(iter(params.values())).device if params else torch.device("cpu")
         flags = torch.tensor([params[i].grad is not None for i in order], dtype=torch.int32,
-                             device=_comm_device(device))
+                             device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         has_grad = {i for i, f in zip(order, flags.tolist()) if f}
         return {id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
@@ -342,9 +342,9 @@ class ShardedDistributor(Distributor):
         self._params_of = {id(s): needs_params(s) for s in layout.stacks}
         for stack in layout.stacks:
             if stack.rank == self.rank and active[id(stack)]:
-                _owned_buffer(stack, "gathered_grad")
+                stack_buffer(stack, "gathered_grad")
                 if self._params_of[id(stack)]:
-                    _owned_buffer(stack, "gathered_param")
+                    stack_buffer(stack, "gathered_param")
 
         def pieces_of(tensor_name):
             def take(piece: Piece):
@@ -353,8 +353,7 @@ class ShardedDistributor(Distributor):
                 if source is None:  # no gradient here, but elsewhere: zeros (FSDP keeps none)
                     return torch.zeros((piece.hi - piece.lo, *piece.stack.shape[1:]),
                                        dtype=dtype, device=param.device)
-                local = source.to_local() if is_dtensor(source) else source
-                return piece.shard_rows(local, piece.block.merged)
+                return piece.shard_rows(_local(source), piece.block.merged)
             return take
 
         grad_of, param_of = pieces_of("grad"), pieces_of("param")
@@ -438,15 +437,13 @@ class ShardedDistributor(Distributor):
             torch._foreach_add_(targets, updates)
 
     def _shard_view(self, piece: Piece) -> Tensor:
-        param = piece.block.param
-        local = param.to_local() if is_dtensor(param) else param
-        return piece.shard_rows(local, piece.block.merged)
+        return piece.shard_rows(_local(piece.block.param), piece.block.merged)
 
     def _all_to_all(self, send: list[list[Tensor]], recv_sizes: list[int],
                     dtype: torch.dtype) -> list[Tensor]:
         """One ``all_to_all_single``: ``send[r]`` (pieces, concatenated) to rank ``r``;
         returns what each rank sent here, as flat tensors."""
-        device = _comm_device(self._device)
+        device = self._device
         send_sizes = [sum(t.numel() for t in pieces) for pieces in send]
         flat = [t.reshape(-1) for pieces in send for t in pieces]
         buffer = (torch.cat([t.to(dtype) for t in flat]) if flat
@@ -458,23 +455,9 @@ class ShardedDistributor(Distributor):
         return list(out.split(recv_sizes))
 
 
-def _comm_device(device: torch.device) -> torch.device:
-    """Where collectives run: the parameters' device (gloo handles CPU tensors)."""
-    return device
-
-
 def _exchange_dtype(stacks) -> torch.dtype:
     """Gradients travel in the widest working dtype, so that nothing is rounded on the way."""
     return torch.float64 if any(s.work_dtype == torch.float64 for s in stacks) else torch.float32
-
-
-def _owned_buffer(stack, name: str) -> Tensor:
-    shape = (len(stack.members), *stack.shape)
-    buffer = getattr(stack, name)
-    if buffer is None or buffer.shape != shape or buffer.device != stack.device:
-        buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
-        setattr(stack, name, buffer)
-    return buffer
 
 
 class LocalShardDistributor(Distributor):
@@ -495,26 +478,11 @@ class LocalShardDistributor(Distributor):
     def global_rank_and_world(self) -> tuple[int, int]:
         return self.global_rank, self.world
 
-    def blocking_shape(self, param: Tensor) -> tuple[int, ...]:
-        return tuple(param.to_local().shape) if is_dtensor(param) else tuple(param.shape)
+    def local(self, tensor: Tensor) -> Tensor:
+        return _local(tensor)
 
     def state_key_prefix(self) -> str:
         return f"shard{self.shard_index}of{self.num_shards}."
-
-    def stacked_grads(self, stack, active: list[int]) -> Tensor:
-        from .distributed import _stacked, grad_buffer
-
-        full = len(active) == len(stack.members)
-        return _stacked(stack, active, lambda p: _local(p.grad),
-                        grad_buffer(stack) if full else None)
-
-    def stacked_params(self, stack, active: list[int], out: Tensor) -> Tensor:
-        from .distributed import _stacked
-
-        return _stacked(stack, active, _local, out)
-
-    def finish_step(self, layout, active: dict[int, list[int]]) -> None:
-        apply_directions(layout, active, tensor_of=_local)
 
 
 def _local(tensor: Tensor) -> Tensor:

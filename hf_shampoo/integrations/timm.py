@@ -96,19 +96,12 @@ def create_soap(
     return _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
 
 
-def create_kl_shampoo(
-    params: Iterable[Any],
-    lr: float | None = ADAMW_LR,
-    weight_decay: float = 0.0,
-    betas: Iterable[float] = ADAMW_BETAS,
-    eps: float | None = None,
-    foreach: bool | None = None,
-    **kwargs: Any,
-) -> DistributedShampoo:
-    """timm's ``opt="klshampoo"``: KL-Shampoo (SPEC §3) with ``"shampoo"``'s defaults (Adam
-    grafting, AdamW's hyperparameters); ``grafting=None`` gives Meta's ungrafted form."""
+def create_kl_shampoo(params: Iterable[Any], *args: Any, **kwargs: Any) -> DistributedShampoo:
+    """timm's ``opt="klshampoo"``: KL-Shampoo (SPEC §3) with ``"shampoo"``'s defaults and
+    arguments (Adam grafting, AdamW's hyperparameters); ``grafting=None`` gives Meta's
+    ungrafted form."""
     kwargs.setdefault("preconditioner", "kl_shampoo")
-    return create_shampoo(params, lr, weight_decay, betas, eps, foreach, **kwargs)
+    return create_shampoo(params, *args, **kwargs)
 
 
 def _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs):
