@@ -1,0 +1,26 @@
+"""Preconditioner kinds, one module each, behind the interface of ``base.Preconditioner``.
+
+``KINDS`` maps the ``preconditioner`` keyword's values to the kinds; ``kind_of(group)``
+picks a group's. A new kind is a module here, an entry below and its name in
+``config.PRECONDITIONERS``.
+"""
+
+from __future__ import annotations
+
+from .base import KroneckerFactored, Preconditioner
+from .diagonal import Diagonal
+from .eigenvalue_corrected import EigenvalueCorrected
+from .kl_shampoo import KLShampoo
+from .shampoo import Shampoo
+
+KINDS: dict[str, Preconditioner] = {
+    kind.name: kind for kind in (Shampoo(), EigenvalueCorrected(), Diagonal(), KLShampoo())
+}
+
+
+def kind_of(group: dict) -> Preconditioner:
+    """The preconditioner kind of a parameter group."""
+    return KINDS[group["preconditioner"]]
+
+
+__all__ = ["KINDS", "KroneckerFactored", "Preconditioner", "kind_of"]

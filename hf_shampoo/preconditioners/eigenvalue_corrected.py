@@ -1,0 +1,133 @@
+"""Eigenvalue-corrected Shampoo (SOAP; SPEC §2–§3, Meta's ``EigenvalueCorrectedShampoo``).
+
+Each dim keeps an eigenbasis ``Q_j`` of its factor; a diagonal second moment ``D`` of the
+gradient rotated into those bases replaces the factors' eigenvalues:
+``P = R⁻¹((R(Ĝ)) / ((D / bc2)^e + ε))`` with ``R(X) = X ×_1 Q_1ᵀ ... ×_k Q_kᵀ``.
+Refreshes renew the bases only: ``eigh`` of ``A + εI``, or Meta's QR algorithm in the
+rotated frame from the kept basis (``eigendecomposition="qr"``), with the SPEC §3
+criterion deciding which bases are stale. ``eigenbasis_variant="meta"`` (default) is
+Meta's arithmetic: ascending eigenvalue order, ``D`` never permuted;
+``"descending"`` sorts bases by descending eigenvalue, refreshes first by ``eigh`` and
+then by ``qr(A Q)``, and permutes ``D`` with the basis. State: ``factor_matrix_{j}``,
+``eigenvectors_{j}``, ``corrected_eigenvalues`` (``D``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import linalg
+from ..config import corrected_exponent
+from ..kronecker import multi_mode_product
+from ..stages import Scratch, second_moment_bias
+from . import refresh as common
+from .base import KroneckerFactored
+
+
+class EigenvalueCorrected(KroneckerFactored):
+    name = "eigenvalue_corrected"
+
+    def keeps_basis(self, group: dict) -> bool:
+        return True
+
+    def state_shapes(self, stack, group: dict) -> dict:
+        shapes = super().state_shapes(stack, group)
+        for j in self.preconditioned_dims(group, stack.order):
+            d = stack.shape[j]
+            shapes[f"eigenvectors_{j}"] = ((d, d), group["factor_matrix_dtype"])
+        shapes["corrected_eigenvalues"] = (stack.shape, stack.work_dtype)
+        return shapes
+
+    # ------------------------------------------------------------------- refresh
+    def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
+        group = job.group
+        meta = group["eigenbasis_variant"] == "meta"
+        qr = group["eigendecomposition"] == "qr"
+        picked = common.Rows(rows, job.grad.shape[0], job.grad.device)
+        plans = common.plan_dims(job, self.preconditioned_dims(group, stack.order), picked,
+                                 workspace)
+        if meta and qr:  # the QR algorithm checks the criterion itself, also at first
+            for plan in plans:
+                self._meta_qr(stack, job, plan, picked)
+            return
+        use_qr = qr and not first
+        if meta or not first:
+            # Meta checks A + εI, also against the identity basis at the first refresh
+            # (τ = 0 marks every matrix stale either way)
+            for plan in plans:
+                common.apply_criterion(job, plan, picked, shift=meta)
+        decompositions = {} if use_qr else common.eigh_all(job, plans, workspace)
+        for plan in plans:
+            new = common.decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
+                                   descending=not meta)
+            if new.order is not None:
+                self._permute(job.state, plan.dim, picked.index(new.done), new.order)
+            picked.put(job.state[f"eigenvectors_{plan.dim}"], new.done, new.basis)
+            stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
+                                 [job.members[r] for r in picked.list], job.step)
+
+    def _meta_qr(self, stack, job, plan: common.DimRefresh, picked: common.Rows) -> None:
+        """Meta's QR refresh of one dim: QR iterations on ``A + εI`` from the kept basis,
+        eigenvalue estimates sorted ascending with the basis; ``D`` keeps its order."""
+        group, state, j = job.group, job.state, plan.dim
+        name = f"eigenvectors_{j}"
+        matrix = plan.matrix + group["epsilon"] * torch.eye(
+            plan.matrix.shape[-1], dtype=plan.matrix.dtype, device=plan.matrix.device)
+        basis, values = linalg.qr_algorithm(matrix, picked.take(state[name]),
+                                            group["qr_max_iterations"],
+                                            group["eigenbasis_tolerance"])
+        ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()
+        done = ok.nonzero().flatten().to(basis.device)
+        picked.put(state[name], done, basis if len(done) == len(basis) else basis[done])
+        stack.count_failures(f"factor_matrix_{j}", ok, [job.members[r] for r in picked.list],
+                             job.step)
+
+    @staticmethod
+    def _permute(state: dict, dim: int, blocks: Tensor, order: Tensor) -> None:
+        """Reorder ``D`` along ``dim`` for ``blocks`` as their basis columns were sorted."""
+        unmoved = torch.arange(order.shape[-1], device=order.device)
+        if len(blocks) == 0 or bool((order == unmoved).all()):
+            return  # nothing moved (the usual case for a warm-started basis)
+        d = state["corrected_eigenvalues"]
+        sub = d[blocks]
+        shape = [sub.shape[0]] + [1] * (sub.dim() - 1)
+        shape[dim + 1] = sub.shape[dim + 1]
+        index = order.reshape(shape).expand_as(sub)
+        d[blocks] = sub.gather(dim + 1, index)
+
+    # ---------------------------------------------------------- statistics, direction
+    def after_refresh(self, stack, job, g: Tensor, scratch: Scratch) -> None:
+        """``D = β2 D + (1-β2) R(G)²`` in the current bases."""
+        beta2 = job.group["betas"][1]
+        rotated = _rotate(g, self._bases(stack, job), True, scratch("rotated"),
+                          scratch("scratch"))
+        d = job.state["corrected_eigenvalues"]
+        if beta2 != 1.0:
+            d.mul_(beta2)
+        d.addcmul_(rotated, rotated, value=1.0 if beta2 == 1.0 else 1.0 - beta2)
+
+    def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
+        group = job.group
+        bases = self._bases(stack, job)
+        rotated = _rotate(filtered, bases, True, scratch("rotated"), scratch("scratch"))
+        exponent = corrected_exponent(group, stack.order)
+        bias2 = second_moment_bias(group, job.step)
+        scaled = torch.div(job.state["corrected_eigenvalues"], bias2, out=scratch("graft"))
+        scaled = linalg.power(scaled, exponent, in_place=True)
+        rotated.div_(scaled.add_(group["epsilon"]))
+        _rotate(rotated, bases, False, out, scratch("scratch"))
+        return out
+
+    def _bases(self, stack, job) -> list[Tensor | None]:
+        dims = set(self.preconditioned_dims(job.group, stack.order))
+        return [job.state[f"eigenvectors_{j}"] if j in dims else None
+                for j in range(stack.order)]
+
+
+def _rotate(x: Tensor, bases: list, transpose: bool, out: Tensor, scratch: Tensor) -> Tensor:
+    """``x`` in (``transpose``) or out of the eigenbases, into ``out`` where dtypes allow."""
+    if x.dtype == out.dtype and all(b is None or b.dtype == x.dtype for b in bases):
+        return multi_mode_product(x, bases, transpose, out=out, scratch=scratch)
+    fdtype = next(b.dtype for b in bases if b is not None)
+    return out.copy_(multi_mode_product(x.to(fdtype), bases, transpose))

@@ -1,0 +1,91 @@
+"""Shampoo: the preconditioner is a product of per-dim inverse roots (SPEC §2–§3).
+
+``P = G ×_1 I_1 ... ×_k I_k`` with ``I_j = (F_j / bc2 + εI)^(-e_j)``, recomputed at
+refresh steps from an eigendecomposition: ``eigh``, or warm-started QR from the kept basis
+(``eigendecomposition="qr"``), and with ``eigenbasis_tolerance > 0`` only where the kept
+basis fails the SPEC §3 criterion. State: ``factor_matrix_{j}``, ``inverse_root_{j}``,
+and ``eigenvectors_{j}`` (sorted by descending eigenvalue) when QR or the criterion needs
+them.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .. import linalg
+from ..config import dim_exponents
+from ..kronecker import multi_mode_product
+from ..stages import Scratch
+from . import refresh as common
+from .base import KroneckerFactored
+
+
+class Shampoo(KroneckerFactored):
+    name = "shampoo"
+
+    def keeps_basis(self, group: dict) -> bool:
+        return group["eigendecomposition"] == "qr" or group["eigenbasis_tolerance"] > 0
+
+    def state_shapes(self, stack, group: dict) -> dict:
+        shapes = super().state_shapes(stack, group)
+        for j in self.preconditioned_dims(group, stack.order):
+            d = stack.shape[j]
+            shapes[f"inverse_root_{j}"] = ((d, d), group["factor_matrix_dtype"])
+            if self.keeps_basis(group):
+                shapes[f"eigenvectors_{j}"] = ((d, d), group["factor_matrix_dtype"])
+        return shapes
+
+    def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
+        """New roots for ``rows``: from ``eigh`` (the first refresh always), or QR from the
+        kept basis; with a tolerance, matrices whose basis passes keep it and take
+        ``diag(QᵀAQ) + ε`` as eigenvalues. A failed matrix keeps its previous root."""
+        group = job.group
+        keeps = self.keeps_basis(group)
+        use_qr = group["eigendecomposition"] == "qr" and not first
+        picked = common.Rows(rows, job.grad.shape[0], job.grad.device)
+        plans = common.plan_dims(job, self.preconditioned_dims(group, stack.order), picked,
+                                 workspace)
+        if keeps and not first:
+            for plan in plans:
+                common.apply_criterion(job, plan, picked, shift=False)
+        decompositions = {} if use_qr else common.eigh_all(job, plans, workspace)
+        for plan in plans:
+            new = common.decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
+                                   descending=True)
+            if keeps:
+                picked.put(job.state[f"eigenvectors_{plan.dim}"], new.done, new.basis)
+            self._roots(stack, job, plan, picked, new, workspace)
+            stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
+                                 [job.members[r] for r in picked.list], job.step)
+
+    def _roots(self, stack, job, plan, picked, new: common.NewBases, workspace) -> None:
+        """``I_j`` of every row that did not fail, from its kept or new basis."""
+        group, state = job.group, job.state
+        device, n = plan.matrix.device, plan.matrix.shape[0]
+        if self.keeps_basis(group):
+            local = new.ok.nonzero().flatten().to(device)
+            vectors = picked.take(state[f"eigenvectors_{plan.dim}"], local)
+        else:
+            local, vectors = new.done, new.basis
+        if len(local) == 0:
+            return
+        lam = linalg.regularized_eigenvalues(
+            new.values if len(local) == n else new.values[local], group["epsilon"])
+        exponent = dim_exponents(group, stack.order)[plan.dim]
+        root = state[f"inverse_root_{plan.dim}"]
+        scaled = workspace.get("refresh_scaled", vectors.shape, vectors.dtype, device)
+        if not vectors.is_contiguous():  # column-major from eigh: keep its layout
+            scaled = scaled.mT
+        if picked.covers(local, root):
+            linalg.inverse_root_from_eigen(lam, vectors, exponent, root, scaled)
+        else:
+            picked.put(root, local, linalg.inverse_root_from_eigen(
+                lam, vectors, exponent, scratch=scaled))
+
+    def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
+        """``P = Ĝ ×_1 I_1 ... ×_k I_k`` (identity where a dim has no root)."""
+        roots = [job.state.get(f"inverse_root_{j}") for j in range(stack.order)]
+        fdtype = job.group["factor_matrix_dtype"]
+        if filtered.dtype == fdtype:
+            return multi_mode_product(filtered, roots, out=out, scratch=scratch("scratch"))
+        return out.copy_(multi_mode_product(filtered.to(fdtype), roots))

@@ -1,0 +1,146 @@
+"""The stages of SPEC §2 that every preconditioner kind shares, as small functions.
+
+Each works on a stack of same-shape blocks (leading dim: the block) and the stack's state
+dict, in place where it can: grafting state (line 3), the filtered gradient (line 4),
+grafting a direction (line 5), weight decay folded into the direction (line 6), classic
+momentum (line 7) and the ``-lr`` scaling (line 8). The kind-specific parts (statistics,
+refresh, preconditioning) live in ``preconditioners/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+GRAFTING_NORM_EPSILON = 1e-16
+
+Scratch = Callable[[str], Tensor]  # a workspace tensor of the stack's shape, by name
+
+
+def state_shapes(group: dict, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+    """Name → (per-block shape, dtype) of the state these stages keep."""
+    shapes = {}
+    if group["grafting"] in ("adagrad", "rmsprop", "adam"):
+        shapes["grafting_state"] = (shape, dtype)
+    if group["betas"][0] > 0:
+        shapes["filtered_grad"] = (shape, dtype)
+    if group["momentum"] > 0:
+        shapes["momentum"] = (shape, dtype)
+    return shapes
+
+
+def second_moment_bias(group: dict, step: int) -> float:
+    """``bc2 = 1 - β2^t`` with bias correction, else 1 (SPEC §2)."""
+    beta2 = group["betas"][1]
+    return 1.0 - beta2**step if group["use_bias_correction"] and beta2 < 1 else 1.0
+
+
+def update_grafting_state(state: dict, group: dict, grad: Tensor) -> None:
+    """Line 3: the grafting method's second moment ``V`` from the (post-L2) gradient."""
+    grafting, beta2 = group["grafting"], group["grafting_beta2"]
+    if grafting == "adagrad":
+        state["grafting_state"].addcmul_(grad, grad)
+    elif grafting in ("rmsprop", "adam"):
+        state["grafting_state"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+
+
+def filtered_gradient(state: dict, group: dict, step: int, grad: Tensor, out: Tensor) -> Tensor:
+    """Line 4: ``Ĝ`` (into ``out`` unless it is ``grad`` or ``M`` itself)."""
+    beta1 = group["betas"][0]
+    if beta1 == 0:
+        return grad
+    beta3 = group["beta3"] if group["beta3"] is not None else beta1
+    m = state["filtered_grad"]
+    bias = group["use_bias_correction"]
+    if beta3 == beta1:
+        m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        return torch.div(m, 1.0 - beta1**step, out=out) if bias else m
+    filtered = torch.mul(m, beta3, out=out).add_(grad, alpha=1.0 - beta3)
+    if bias:
+        filtered.div_(1.0 - beta3 * beta1 ** (step - 1))
+    m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+    return filtered
+
+
+def graft(state: dict, group: dict, step: int, x: Tensor, out: Tensor) -> Tensor:
+    """Line 5's grafting direction of ``x`` into ``out`` (``x`` itself for sgd / none)."""
+    grafting = group["grafting"]
+    if grafting in (None, "sgd"):
+        return x
+    if grafting == "adam":
+        torch.div(state["grafting_state"], 1.0 - group["grafting_beta2"] ** step, out=out)
+    else:
+        out.copy_(state["grafting_state"])
+    out.sqrt_().add_(group["grafting_epsilon"])
+    return torch.div(x, out, out=out)
+
+
+def apply_grafting(
+    state: dict, group: dict, step: int, direction: Tensor, filtered: Tensor,
+    grafting_rows: list[int], out: Tensor,
+) -> Tensor | None:
+    """Line 5: per block, the scale ``‖graft(Ĝ)‖ / ‖P‖`` that gives the preconditioned
+    direction the grafting method's norm (None without grafting). Rows that still graft
+    (a staggered start) get scale 1 and the grafting direction itself."""
+    if group["grafting"] is None:
+        return None
+    reduce = tuple(range(1, direction.dim()))
+    grafted = graft(state, group, step, filtered, out)
+    graft_norm = torch.linalg.vector_norm(grafted, dim=reduce, keepdim=True)
+    norm = torch.linalg.vector_norm(direction, dim=reduce, keepdim=True)
+    scale = graft_norm / (norm + GRAFTING_NORM_EPSILON)
+    if grafting_rows:
+        scale[grafting_rows] = 1.0
+        direction[grafting_rows] = grafted[grafting_rows]
+    return scale
+
+
+def decoupled_decay_factor(group: dict) -> float | None:
+    """Line 6: the factor of ``W`` added to the direction (None without decay, and for L2
+    decay, which line 1 adds to the gradient instead)."""
+    wd, wd_type = group["weight_decay"], group["weight_decay_type"]
+    if wd == 0 or wd_type == "l2":
+        return None
+    peak = group["peak_lr"]
+    return {
+        "decoupled": wd,
+        "corrected": wd * float(group["lr"]) / peak if peak else 0.0,
+        "independent": wd / peak if peak else 0.0,
+    }[wd_type]
+
+
+def finish_direction(
+    state: dict, group: dict, direction: Tensor, scale: Tensor | None, owned: bool,
+    param: Tensor | None, lr: float, out: Tensor, copy_into: Tensor,
+) -> None:
+    """Lines 6–8: ``out = -lr · momentum(scale · P + α W)``.
+
+    ``owned``: whether ``direction`` may be modified (else it is first copied into
+    ``copy_into``). ``param``: the stacked parameters (modified) when decay needs them.
+    Without decay and momentum, the grafting scale and ``-lr`` are one pass.
+    """
+    alpha = decoupled_decay_factor(group)
+    mu = group["momentum"]
+    if alpha is None and mu == 0:
+        if scale is None:
+            torch.mul(direction, -lr, out=out)
+        else:
+            torch.mul(direction, scale.mul_(-lr), out=out)
+        return
+    if scale is not None:
+        direction.mul_(scale)
+    elif not owned:
+        direction = copy_into.copy_(direction)
+    if alpha is not None:
+        direction.add_(param.mul_(alpha))
+    if mu > 0:
+        dampening = group["dampening"]
+        buf = state["momentum"]
+        buf.mul_(mu).add_(direction, alpha=1.0 - dampening)
+        if group["nesterov"]:
+            direction.mul_(1.0 - dampening).add_(buf, alpha=mu)
+        else:
+            direction = buf
+    torch.mul(direction, -lr, out=out)  # line 8: the caller adds out to the parameters
