@@ -139,6 +139,14 @@ def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
                                       eigenbasis_tolerance=tolerance),
                         lambda i=iterations, t=tolerance: _common(
                             preconditioner_config=corrected_cfg(qr(i, t)))))
+    for iterations, tolerance in ((1, 0.0), (3, 0.05)):  # matmul-based orthogonalisation
+        name = f"soap_qr{iterations}_tol{tolerance}_cholesky_qr"
+        out.append(Case(name, _common(preconditioner="eigenvalue_corrected",
+                                      eigendecomposition="qr", qr_max_iterations=iterations,
+                                      eigenbasis_tolerance=tolerance,
+                                      orthogonalization="cholesky_qr"),
+                        lambda i=iterations, t=tolerance: _common(
+                            preconditioner_config=corrected_cfg(qr(i, t)))))
     out.append(Case("soap_wd_momentum",
                     _common(preconditioner="eigenvalue_corrected", weight_decay=0.05,
                             momentum=0.5, nesterov=True),

@@ -252,6 +252,12 @@ def main() -> None:
                         help="eigenbasis_tolerance values for the QR runs")
     parser.add_argument("--soap", action="store_true",
                         help="also eigenvalue-corrected Shampoo (SOAP), eigh and QR")
+    parser.add_argument("--orthogonalization", nargs="*", default=["householder"],
+                        choices=["householder", "cholesky_qr"],
+                        help="orthogonalisations of the QR runs (and a per-size cost table "
+                             "when more than Householder is asked for)")
+    parser.add_argument("--only-orthogonalization", action="store_true",
+                        help="only the per-size cost table of the orthogonalisations")
     parser.add_argument("--real-run", type=int, default=0, metavar="F",
                         help="also time real ResNet-50 training runs with precondition_frequency F")
     parser.add_argument("--batch-size", type=int, default=32, help="of the real runs")
@@ -262,7 +268,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.meta_path:
         sys.path.insert(0, os.path.abspath(args.meta_path))
-    lines = [] if args.only_real_run else fixed_gradient_lines(args)
+    if args.only_orthogonalization:
+        lines = orthogonalization_lines(args)
+    else:
+        lines = [] if args.only_real_run else fixed_gradient_lines(args)
+        if len(args.orthogonalization) > 1:
+            lines += orthogonalization_lines(args)
     if args.real_run:
         lines += real_run_lines(args)
     lines.append(f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
@@ -280,16 +291,23 @@ def fixed_gradient_lines(args) -> list[str]:
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=g) * 1e-2 for p in params]
 
+    def label(tolerance: float, method: str) -> str:
+        return f"qr, τ={tolerance:g}" + ("" if method == "householder" else f", {method}")
+
     runners = [ours(params, grads)]
-    for tolerance in args.qr_tolerance:
-        runners.append(ours(params, grads, f"hf_shampoo, qr, τ={tolerance:g}",
-                            eigendecomposition="qr", eigenbasis_tolerance=tolerance))
+    for method in args.orthogonalization:
+        for tolerance in args.qr_tolerance:
+            runners.append(ours(params, grads, f"hf_shampoo, {label(tolerance, method)}",
+                                eigendecomposition="qr", eigenbasis_tolerance=tolerance,
+                                orthogonalization=method))
     if args.soap:
         soap = dict(preconditioner="eigenvalue_corrected", grafting=None, epsilon=1e-8)
         runners.append(ours(params, grads, "hf_shampoo SOAP, eigh", **soap))
-        for tolerance in args.qr_tolerance:
-            runners.append(ours(params, grads, f"hf_shampoo SOAP, qr, τ={tolerance:g}",
-                                eigendecomposition="qr", eigenbasis_tolerance=tolerance, **soap))
+        for method in args.orthogonalization:
+            for tolerance in args.qr_tolerance:
+                runners.append(ours(params, grads, f"hf_shampoo SOAP, {label(tolerance, method)}",
+                                    eigendecomposition="qr", eigenbasis_tolerance=tolerance,
+                                    orthogonalization=method, **soap))
     if not args.no_meta:
         for packing in (True, False):
             runner = meta(params, grads, packing)
@@ -355,6 +373,53 @@ def fixed_gradient_lines(args) -> list[str]:
         lines.append(f"- steady step / {runner.name}: {steady / median(runner.steady):.1f}×")
 
     return lines
+
+
+def orthogonalization_lines(args) -> list[str]:
+    """Per factor size of the model, the seconds of ``eigh``, Householder QR, shifted
+    Cholesky-QR3 and one matmul over every factor matrix of that size, batched as a
+    refresh runs them (``linalg``'s one-matrix-per-thread pool for ``eigh`` and
+    Householder; batched products for the others), ``--threads`` threads; SPD matrices of
+    the factors' sizes with condition number 1e6."""
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    sizes: dict[int, int] = {}
+    opt = DistributedShampoo([p for p in model.parameters() if p.requires_grad],
+                             max_preconditioner_dim=1024, distributed="none")
+    for stack in opt._ensure_layout().owned:
+        for j in stack.preconditioned_dims(opt.param_groups[stack.group_index]):
+            sizes[stack.shape[j]] = sizes.get(stack.shape[j], 0) + len(stack.members)
+    methods = {
+        "eigh": linalg.batched_eigh,
+        "Householder QR": linalg.orthonormal_basis,
+        "Cholesky-QR3": linalg.cholesky_qr_basis,
+        "matmul": lambda a: a @ a,
+    }
+    lines = ["", f"#### Orthogonalisation cost per factor size, {args.model} "
+             f"({sum(sizes.values())} factor matrices)", "",
+             f"Hardware: {hardware()}. Medians of 3, seconds for all matrices of a size.", "",
+             "| d | matrices | " + " | ".join(f"{m} s" for m in methods) + " |",
+             "|---|---|" + "---|" * len(methods)]
+    totals = dict.fromkeys(methods, 0.0)
+    for d in sorted(sizes, reverse=True):
+        a = _with_condition(sizes[d], d, 1e6)
+        row = []
+        for name, fn in methods.items():
+            fn(a)  # warm-up
+            seconds = median(timed(lambda fn=fn, a=a: fn(a), 3))
+            totals[name] += seconds
+            row.append(f"{seconds:.3f}")
+        lines.append(f"| {d} | {sizes[d]} | " + " | ".join(row) + " |")
+        print(lines[-1], file=sys.stderr)
+    lines.append("| all | " + str(sum(sizes.values())) + " | "
+                 + " | ".join(f"**{t:.2f}**" for t in totals.values()) + " |")
+    return lines
+
+
+def _with_condition(n: int, d: int, condition: float) -> torch.Tensor:
+    q = torch.linalg.qr(torch.randn(n, d, d, dtype=torch.float64))[0]
+    values = torch.logspace(0, -math.log10(condition), d, dtype=torch.float64)
+    return ((q * values.unsqueeze(-2)) @ q.mT).float()
 
 
 def real_run_lines(args) -> list[str]:

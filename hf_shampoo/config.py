@@ -32,6 +32,8 @@ DEFAULTS: dict[str, Any] = {
     "eigenbasis_tolerance": 0.0,
     "qr_max_iterations": 1,
     "eigenbasis_variant": "meta",
+    "orthogonalization": "householder",
+    "quantization": None,
     "inverse_exponent_override": None,
     "grafting": None,
     "grafting_beta2": 0.999,
@@ -58,6 +60,12 @@ EIGENDECOMPOSITIONS = ("eigh", "qr")
 # sorted by descending eigenvalue, first refresh by eigh, QR steps qr(A Q), D permuted with
 # the basis (warm-started QR keeps more bases valid: BENCHMARKS.md, convergence).
 EIGENBASIS_VARIANTS = ("meta", "descending")
+# How QR refreshes orthogonalise (linalg.orthonormal_basis): LAPACK's Householder QR, or
+# shifted Cholesky-QR3 (matrix products; Householder where it cannot do a matrix).
+ORTHOGONALIZATIONS = ("householder", "cholesky_qr")
+# State storage of the Kronecker factors (SPEC §5): None = float32; "4bit" = 4-bit
+# eigenvectors with float32 eigenvalues (preconditioners/quantized.py).
+QUANTIZATIONS = (None, "4bit")
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
 DISTRIBUTED_MODES = ("auto", "none", "ddp", "fsdp")
@@ -84,6 +92,7 @@ LAYOUT_KEYS = (
     "inverse_exponent_override",
     "grafting",
     "factor_matrix_dtype",
+    "quantization",
 )
 
 # Entries other tools put into param groups (torch schedulers, timm, transformers): allowed.
@@ -189,6 +198,16 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_real("eigenbasis_tolerance", group["eigenbasis_tolerance"], 0.0, 1.0)
     _check_int("qr_max_iterations", group["qr_max_iterations"], 1)
     _check_choice("eigenbasis_variant", group["eigenbasis_variant"], EIGENBASIS_VARIANTS)
+    _check_choice("orthogonalization", group["orthogonalization"], ORTHOGONALIZATIONS)
+    _check_choice("quantization", group["quantization"], QUANTIZATIONS)
+    if group["quantization"] == "4bit":
+        if group["preconditioner"] == "kl_shampoo":
+            _fail("quantization", "4bit", "4-bit state exists for preconditioner 'shampoo' "
+                  "and 'eigenvalue_corrected' (and has no effect with 'diagonal'), not for "
+                  "'kl_shampoo'")
+        if group["factor_matrix_dtype"] != torch.float32:
+            _fail("quantization", "4bit", "4-bit state keeps its eigenvalues in float32: "
+                  "factor_matrix_dtype must be torch.float32")
     _check_exponent_override(group["inverse_exponent_override"])
     if group["preconditioner"] == "eigenvalue_corrected":
         _check_corrected_override(group["inverse_exponent_override"])

@@ -86,6 +86,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         eigenbasis_tolerance: float = DEFAULTS["eigenbasis_tolerance"],
         qr_max_iterations: int = DEFAULTS["qr_max_iterations"],
         eigenbasis_variant: str = DEFAULTS["eigenbasis_variant"],
+        orthogonalization: str = DEFAULTS["orthogonalization"],
+        quantization: str | None = DEFAULTS["quantization"],
         inverse_exponent_override: dict | None = DEFAULTS["inverse_exponent_override"],
         grafting: str | None = DEFAULTS["grafting"],
         grafting_beta2: float = DEFAULTS["grafting_beta2"],
@@ -497,6 +499,7 @@ def _plan(
     grafting = []
     if group["grafting"] is not None:
         grafting = [r for r, o in enumerate(offsets) if not is_preconditioning(group, step, o)]
-    return StackStep(group, step, active, state, grad, None, refresh, first, grafting)
+    return StackStep(group, step, active, state, grad, None, refresh, first, grafting,
+                     offsets=offsets)
 
 

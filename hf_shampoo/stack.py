@@ -73,6 +73,8 @@ class StackStep:
     first_rows: list[int] = field(default_factory=list)  # of those: the first refresh
     grafting_rows: list[int] = field(default_factory=list)  # before their start step
     new_factors: dict[str, Tensor] | None = None  # checked factors of every row, to adopt
+    offsets: list[int] = field(default_factory=list)  # per row: its refresh schedule offset
+    cache: dict = field(default_factory=dict)  # the kind's values shared within this step
 
 
 @dataclass
@@ -133,11 +135,7 @@ class BlockStack:
         for name, (shape, dtype) in self.expected_state(group).items():
             if name in self.state:
                 continue
-            if name.startswith(("inverse_root_", "eigenvectors_")):
-                eye = torch.eye(shape[0], dtype=dtype, device=device)
-                self.state[name] = eye.repeat(n, 1, 1)
-            else:
-                self.state[name] = torch.zeros((n, *shape), dtype=dtype, device=device)
+            self.state[name] = kind_of(group).initial_state(name, shape, dtype, n, device)
             if name.startswith("factor_matrix_"):
                 self.failures[name] = [0] * n
 
@@ -158,8 +156,7 @@ class BlockStack:
         group, step, state, grad = job.group, job.step, job.state, job.grad
         kind = kind_of(group)
 
-        def scratch(name: str) -> Tensor:
-            return workspace.get(name, grad.shape, grad.dtype, grad.device)
+        scratch = stages.Scratch(workspace, grad)
 
         # line 2: statistics and, for the rows due, the amortized computation
         fdtype = group["factor_matrix_dtype"]

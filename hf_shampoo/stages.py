@@ -9,14 +9,24 @@ refresh, preconditioning) live in ``preconditioners/``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 GRAFTING_NORM_EPSILON = 1e-16
 
-Scratch = Callable[[str], Tensor]  # a workspace tensor of the stack's shape, by name
+class Scratch:
+    """Workspace tensors for one stack's step: ``scratch(name)`` has the stack's shape and
+    working dtype; ``scratch.get(name, shape, dtype)`` any other shape."""
+
+    def __init__(self, workspace, like: Tensor) -> None:
+        self.workspace, self.like = workspace, like
+
+    def __call__(self, name: str) -> Tensor:
+        like = self.like
+        return self.workspace.get(name, like.shape, like.dtype, like.device)
+
+    def get(self, name: str, shape, dtype: torch.dtype) -> Tensor:
+        return self.workspace.get(name, shape, dtype, self.like.device)
 
 
 def state_shapes(group: dict, shape: tuple[int, ...], dtype: torch.dtype) -> dict:

@@ -1,5 +1,6 @@
 """Tests for linalg.py: eigh fallback, root inverse, the refresh criterion and QR."""
 
+import math
 import warnings
 
 import pytest
@@ -45,7 +46,12 @@ def test_batched_eigh_falls_back_per_matrix(monkeypatch):
         return real(m)
 
     monkeypatch.setattr(torch.linalg, "eigh", flaky)
-    result = linalg.batched_eigh(a)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one batched call (with more threads: one call per matrix)
+    try:
+        result = linalg.batched_eigh(a)
+    finally:
+        torch.set_num_threads(threads)
     assert calls["batched"] == 1
     assert result.ok == [True, False, True]
     expected = real(a[0])[0]
@@ -175,3 +181,88 @@ def test_eigh_failures_keep_previous_root_then_raise(monkeypatch):
         warnings.simplefilter("ignore")
         with pytest.raises(RuntimeError, match="4th time in a row"):
             opt.step()
+
+
+# --------------------------------------------------------- matmul-based orthogonalisation
+def _with_condition(n, d, condition, dtype, seed=0):
+    """Square matrices ``U diag(s) Vᵀ`` with singular values from 1 down to 1/condition."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))[0]
+    s = torch.logspace(0, -math.log10(condition), d, dtype=torch.float64)
+    return ((u * s.unsqueeze(-2)) @ v.mT).to(dtype)
+
+
+def _same_up_to_column_signs(q, reference, atol):
+    signs = torch.sign((q * reference).sum(dim=-2, keepdim=True))
+    torch.testing.assert_close(q * signs, reference, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype,condition", [(torch.float64, 1e2), (torch.float64, 1e10),
+                                             (torch.float32, 1e2)])
+def test_cholesky_qr_is_householder_up_to_signs(dtype, condition):
+    """Shifted Cholesky-QR3 gives an orthogonal Q to working precision, also where plain
+    Cholesky-QR would fail (κ² beyond 1/u), and Householder's Q up to column signs (to
+    the accuracy QR's Q has at this condition number, κ·u)."""
+    x = _with_condition(3, 48, condition, dtype)
+    q, ok = linalg.cholesky_qr_basis(x)
+    assert ok.all()
+    unit = torch.finfo(dtype).eps
+    eye = torch.eye(48, dtype=dtype).expand(3, 48, 48)
+    torch.testing.assert_close(q.mT @ q, eye, rtol=0, atol=50 * unit)
+    r = q.mT @ x  # upper triangular with a positive diagonal
+    assert (r.diagonal(dim1=-2, dim2=-1) > 0).all()
+    assert r.tril(-1).abs().max() <= 1e3 * unit * x.abs().max()
+    _same_up_to_column_signs(q, linalg.orthonormal_basis(x), atol=100 * unit * condition)
+
+
+def test_cholesky_qr_beyond_its_range_falls_back_to_householder():
+    """float32 with κ = 1e5: the shift needed at d = 48 leaves the second pass too
+    ill-conditioned, which the last Gram check catches; the result is Householder's."""
+    x = _with_condition(3, 48, 1e5, torch.float32)
+    assert not linalg.cholesky_qr_basis(x)[1].any()
+    torch.testing.assert_close(linalg.orthonormal_basis(x, "cholesky_qr"),
+                               linalg.orthonormal_basis(x), rtol=0, atol=0)
+
+
+def test_cholesky_qr_hands_rank_deficient_matrices_to_householder():
+    x = _with_condition(3, 32, 1e2, torch.float32)
+    x[1, :, -4:] = 0  # four zero columns: no R with a positive diagonal exists
+    _, ok = linalg.cholesky_qr_basis(x)
+    assert ok.tolist() == [True, False, True]
+    q = linalg.orthonormal_basis(x, "cholesky_qr")
+    eye = torch.eye(32).expand(3, 32, 32)
+    torch.testing.assert_close(q.mT @ q, eye, rtol=0, atol=1e-5)
+    torch.testing.assert_close(q[1], linalg.orthonormal_basis(x[1:2])[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["householder", "cholesky_qr"])
+@pytest.mark.parametrize("iterations,tolerance", [(1, 0.0), (4, 0.0), (4, 0.05), (2, 0.9)])
+def test_direct_qr_algorithm_equals_metas_rotated_frame(method, iterations, tolerance):
+    """qr(AQ) = Q qr(QᵀAQ): same bases (up to column signs) and estimates as Meta's
+    rotated-frame QR algorithm, also when matrices stop at different iterations."""
+    a = _spd(4, 12, seed=5)
+    a[3] = torch.diag(torch.arange(1.0, 13.0, dtype=torch.float64))  # diagonal: no iteration
+    start = torch.linalg.qr(torch.randn(4, 12, 12, generator=torch.Generator().manual_seed(2),
+                                        dtype=torch.float64))[0]
+    start[3] = torch.eye(12, dtype=torch.float64)
+    basis, values = linalg.qr_algorithm(a, start, iterations, tolerance)
+    direct, direct_values = linalg.qr_algorithm_direct(a, start, iterations, tolerance, method)
+    torch.testing.assert_close(direct_values, values, rtol=1e-11, atol=0)
+    _same_up_to_column_signs(direct, basis, atol=1e-9)
+    torch.testing.assert_close(direct[3], torch.eye(12, dtype=torch.float64), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
+def test_cholesky_qr_refreshes_train_like_householder(preconditioner):
+    config = dict(preconditioner=preconditioner, eigendecomposition="qr",
+                  qr_max_iterations=3, **_FULL_RANK)
+    ref, _ = _train(**config)
+    fast, _ = _train(orthogonalization="cholesky_qr", **config)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+
+
+def test_orthogonalization_is_validated():
+    w = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="orthogonalization='gram_schmidt'.*householder"):
+        DistributedShampoo([w], orthogonalization="gram_schmidt")

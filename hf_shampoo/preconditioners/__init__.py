@@ -11,16 +11,23 @@ from .base import KroneckerFactored, Preconditioner
 from .diagonal import Diagonal
 from .eigenvalue_corrected import EigenvalueCorrected
 from .kl_shampoo import KLShampoo
+from .quantized import QuantizedEigenvalueCorrected, QuantizedShampoo
 from .shampoo import Shampoo
 
 KINDS: dict[str, Preconditioner] = {
     kind.name: kind for kind in (Shampoo(), EigenvalueCorrected(), Diagonal(), KLShampoo())
 }
+# quantization="4bit": the kinds that keep their factors in 4 bits (the others have none)
+QUANTIZED_KINDS: dict[str, Preconditioner] = {
+    kind.name: kind for kind in (QuantizedShampoo(), QuantizedEigenvalueCorrected())
+}
 
 
 def kind_of(group: dict) -> Preconditioner:
     """The preconditioner kind of a parameter group."""
+    if group.get("quantization") == "4bit" and group["preconditioner"] in QUANTIZED_KINDS:
+        return QUANTIZED_KINDS[group["preconditioner"]]
     return KINDS[group["preconditioner"]]
 
 
-__all__ = ["KINDS", "KroneckerFactored", "Preconditioner", "kind_of"]
+__all__ = ["KINDS", "QUANTIZED_KINDS", "KroneckerFactored", "Preconditioner", "kind_of"]

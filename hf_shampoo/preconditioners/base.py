@@ -39,6 +39,18 @@ class Preconditioner:
         """Name → (per-block shape, dtype) of the kind's state (names: ``stack.py``)."""
         return {}
 
+    def initial_state(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, n: int,
+                      device: torch.device) -> Tensor:
+        """The value of a new state tensor for ``n`` blocks: identity roots and bases,
+        zeros elsewhere."""
+        if name.startswith(("inverse_root_", "eigenvectors_")) and len(shape) == 2:
+            return torch.eye(shape[0], dtype=dtype, device=device).repeat(n, 1, 1)
+        return torch.zeros((n, *shape), dtype=dtype, device=device)
+
+    def factor_dims(self, stack, group: dict) -> list[int]:
+        """Dims whose factor matrix is state, updated every step (SPEC §2 line 2)."""
+        return self.preconditioned_dims(group, stack.order)
+
     def statistics_input(self, state: dict, group: dict, g: Tensor, dim: int, order: int,
                          rows: list[int] | None = None) -> Tensor:
         """What factor ``dim``'s statistics are built from (``rows``: of the state)."""
@@ -68,7 +80,7 @@ class KroneckerFactored(Preconditioner):
 
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = {}
-        for j in self.preconditioned_dims(group, stack.order):
+        for j in self.factor_dims(stack, group):
             d = stack.shape[j]
             shapes[f"factor_matrix_{j}"] = ((d, d), group["factor_matrix_dtype"])
         return shapes
@@ -83,7 +95,7 @@ class KroneckerFactored(Preconditioner):
         if not everything:
             g = g[rows]
         factors = {}
-        for j in self.preconditioned_dims(group, stack.order):
+        for j in self.factor_dims(stack, group):
             factor = job.state[f"factor_matrix_{j}"]
             factor = factor if everything else factor[rows]
             source = self.statistics_input(job.state, group, g, j, stack.order,
@@ -98,7 +110,7 @@ class KroneckerFactored(Preconditioner):
             state.update(job.new_factors)
             return
         unfold_into = scratch("scratch") if g is job.grad else None
-        dims = self.preconditioned_dims(group, stack.order)
+        dims = self.factor_dims(stack, group)
         # every dim's input from the state before this step (KL: the current roots)
         inputs = {j: self.statistics_input(state, group, g, j, stack.order) for j in dims}
         for j in dims:

@@ -33,7 +33,7 @@ class EigenvalueCorrected(KroneckerFactored):
 
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = super().state_shapes(stack, group)
-        for j in self.preconditioned_dims(group, stack.order):
+        for j in self.factor_dims(stack, group):
             d = stack.shape[j]
             shapes[f"eigenvectors_{j}"] = ((d, d), group["factor_matrix_dtype"])
         shapes["corrected_eigenvalues"] = (stack.shape, stack.work_dtype)
@@ -45,8 +45,7 @@ class EigenvalueCorrected(KroneckerFactored):
         meta = group["eigenbasis_variant"] == "meta"
         qr = group["eigendecomposition"] == "qr"
         picked = common.Rows(rows, job.grad.shape[0], job.grad.device)
-        plans = common.plan_dims(job, self.preconditioned_dims(group, stack.order), picked,
-                                 workspace)
+        plans = common.plan_dims(job, self.factor_dims(stack, group), picked, workspace)
         if meta and qr:  # the QR algorithm checks the criterion itself, also at first
             for plan in plans:
                 self._meta_qr(stack, job, plan, picked)
@@ -74,9 +73,9 @@ class EigenvalueCorrected(KroneckerFactored):
         name = f"eigenvectors_{j}"
         matrix = plan.matrix + group["epsilon"] * torch.eye(
             plan.matrix.shape[-1], dtype=plan.matrix.dtype, device=plan.matrix.device)
-        basis, values = linalg.qr_algorithm(matrix, picked.take(state[name]),
-                                            group["qr_max_iterations"],
-                                            group["eigenbasis_tolerance"])
+        basis, values = linalg.qr_algorithm_direct(
+            matrix, picked.take(state[name]), group["qr_max_iterations"],
+            group["eigenbasis_tolerance"], group["orthogonalization"])
         ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()
         done = ok.nonzero().flatten().to(basis.device)
         picked.put(state[name], done, basis if len(done) == len(basis) else basis[done])
@@ -100,7 +99,7 @@ class EigenvalueCorrected(KroneckerFactored):
     def after_refresh(self, stack, job, g: Tensor, scratch: Scratch) -> None:
         """``D = β2 D + (1-β2) R(G)²`` in the current bases."""
         beta2 = job.group["betas"][1]
-        rotated = _rotate(g, self._bases(stack, job), True, scratch("rotated"),
+        rotated = _rotate(g, self.bases(stack, job, scratch), True, scratch("rotated"),
                           scratch("scratch"))
         d = job.state["corrected_eigenvalues"]
         if beta2 != 1.0:
@@ -109,7 +108,7 @@ class EigenvalueCorrected(KroneckerFactored):
 
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
         group = job.group
-        bases = self._bases(stack, job)
+        bases = self.bases(stack, job, scratch)
         rotated = _rotate(filtered, bases, True, scratch("rotated"), scratch("scratch"))
         exponent = corrected_exponent(group, stack.order)
         bias2 = second_moment_bias(group, job.step)
@@ -119,8 +118,9 @@ class EigenvalueCorrected(KroneckerFactored):
         _rotate(rotated, bases, False, out, scratch("scratch"))
         return out
 
-    def _bases(self, stack, job) -> list[Tensor | None]:
-        dims = set(self.preconditioned_dims(job.group, stack.order))
+    def bases(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
+        """``Q_j`` per dim (None: the identity)."""
+        dims = set(self.factor_dims(stack, job.group))
         return [job.state[f"eigenvectors_{j}"] if j in dims else None
                 for j in range(stack.order)]
 

@@ -157,6 +157,7 @@ def decompose(
             group["qr_max_iterations"],
             group["eigenbasis_tolerance"],
             product=plan.check.product if full else plan.check.product[todo],
+            method=group["orthogonalization"],
         )
         new_values = estimates + group["epsilon"]
         sub_ok = (linalg.finite_rows(basis) & linalg.finite_rows(estimates)).cpu()

@@ -28,7 +28,7 @@ class Shampoo(KroneckerFactored):
 
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = super().state_shapes(stack, group)
-        for j in self.preconditioned_dims(group, stack.order):
+        for j in self.factor_dims(stack, group):
             d = stack.shape[j]
             shapes[f"inverse_root_{j}"] = ((d, d), group["factor_matrix_dtype"])
             if self.keeps_basis(group):
@@ -43,8 +43,7 @@ class Shampoo(KroneckerFactored):
         keeps = self.keeps_basis(group)
         use_qr = group["eigendecomposition"] == "qr" and not first
         picked = common.Rows(rows, job.grad.shape[0], job.grad.device)
-        plans = common.plan_dims(job, self.preconditioned_dims(group, stack.order), picked,
-                                 workspace)
+        plans = common.plan_dims(job, self.factor_dims(stack, group), picked, workspace)
         if keeps and not first:
             for plan in plans:
                 common.apply_criterion(job, plan, picked, shift=False)
@@ -82,9 +81,13 @@ class Shampoo(KroneckerFactored):
             picked.put(root, local, linalg.inverse_root_from_eigen(
                 lam, vectors, exponent, scratch=scaled))
 
+    def roots(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
+        """``I_j`` per dim (None: the identity)."""
+        return [job.state.get(f"inverse_root_{j}") for j in range(stack.order)]
+
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
         """``P = Ĝ ×_1 I_1 ... ×_k I_k`` (identity where a dim has no root)."""
-        roots = [job.state.get(f"inverse_root_{j}") for j in range(stack.order)]
+        roots = self.roots(stack, job, scratch)
         fdtype = job.group["factor_matrix_dtype"]
         if filtered.dtype == fdtype:
             return multi_mode_product(filtered, roots, out=out, scratch=scratch("scratch"))

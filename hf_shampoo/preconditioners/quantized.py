@@ -1,0 +1,242 @@
+"""4-bit Shampoo and 4-bit eigenvalue-corrected Shampoo (``quantization="4bit"``; SPEC §5,
+arXiv 2405.18144).
+
+A factor ``F_j`` with at least 4096 elements is kept as its eigendecomposition: float32
+eigenvalues ``factor_eigenvalues_{j}`` and 4-bit eigenvectors ``factor_eigenvectors_{j}``
+(stored transposed, one eigenvector per row, so that a 64-element quantisation block lies
+within one eigenvector). Shampoo's inverse root ``I_j`` is kept as a float32 diagonal
+``inverse_root_{j}_diagonal`` and a 4-bit off-diagonal ``inverse_root_{j}``; the
+eigenvalue-corrected kind uses the factor's eigenvectors as its basis. Smaller factors are
+kept and updated as in 32 bits. Everything else (grafting, ``D``, momentum) is float32.
+
+The factor statistics of the quantised dims follow the paper: a factor is only rebuilt at
+the block's refresh steps, from one sampled gradient. With ``Δ`` the steps since the
+block's previous refresh (its step count at the first one), ``V`` the dequantised
+eigenvectors after one Björck step and ``λ`` the eigenvalues:
+``F = β2^Δ · V diag(λ) Vᵀ + (1 − β2^Δ) · G Gᵀ`` (``β2 = 1``: ``F + Δ · G Gᵀ``), so that the
+gradient stands for the ``Δ`` steps since the last refresh and ``1 − β2^t`` stays the bias
+correction. ``F`` is then decomposed (``eigh``; warm-started QR from ``V`` with
+``eigendecomposition="qr"`` after the first refresh), its eigenvectors quantised, and the
+inverse root computed from the new float32 eigenvectors before they are quantised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import linalg, quantization
+from ..config import dim_exponents, start_step
+from ..kronecker import update_factor
+from ..stages import Scratch, second_moment_bias
+from . import refresh as common
+from .eigenvalue_corrected import EigenvalueCorrected
+from .shampoo import Shampoo
+
+# Björck steps after dequantising eigenvectors to rebuild a factor (the paper's t1)
+REBUILD_BJORCK_STEPS = 1
+
+
+class QuantizedFactors:
+    """What both 4-bit kinds share: which dims are quantised, their state and its update."""
+
+    def quantized_dims(self, stack, group: dict) -> list[int]:
+        return [j for j in self.preconditioned_dims(group, stack.order)
+                if stack.shape[j] ** 2 >= quantization.MIN_QUANTIZED_ELEMENTS]
+
+    def factor_dims(self, stack, group: dict) -> list[int]:
+        quantized = set(self.quantized_dims(stack, group))
+        return [j for j in self.preconditioned_dims(group, stack.order) if j not in quantized]
+
+    def quantized_factor_shapes(self, stack, group: dict) -> dict:
+        shapes = {}
+        for j in self.quantized_dims(stack, group):
+            d = stack.shape[j]
+            shapes[f"factor_eigenvalues_{j}"] = ((d,), torch.float32)
+            shapes.update(quantization.state_shapes(f"factor_eigenvectors_{j}", d, d))
+        return shapes
+
+    def initial_state(self, name, shape, dtype, n, device) -> Tensor:
+        if name.endswith(("_codes", "_scales")):
+            base, kind = name.rsplit("_", 1)
+            d = shape[0]
+            start = torch.eye(d, device=device) if base.startswith("factor_eigenvectors_") \
+                else torch.zeros(d, d, device=device)  # a root's off-diagonal part
+            q = quantization.quantize(start)
+            value = q.codes if kind == "codes" else q.scales
+            return value.repeat(n, 1, 1)
+        if name.startswith("inverse_root_") and name.endswith("_diagonal"):
+            return torch.ones((n, *shape), dtype=dtype, device=device)
+        return super().initial_state(name, shape, dtype, n, device)
+
+    def eigenvectors(self, state: dict, dim: int, d: int, rows: Tensor | None = None,
+                     bjorck: int = 0) -> Tensor:
+        """``V`` (eigenvectors as columns) of the rows, dequantised, ``bjorck`` steps."""
+        sub = state if rows is None else {
+            k: state[k][rows] for k in (f"factor_eigenvectors_{dim}_codes",
+                                       f"factor_eigenvectors_{dim}_scales")}
+        v = quantization.load(sub, f"factor_eigenvectors_{dim}", d).mT
+        return quantization.bjorck(v, bjorck)
+
+    def sampled_factors(self, stack, job, rows: list[int], first: bool) -> dict[str, Tensor]:
+        """``F`` of each quantised dim for ``rows`` (module docstring), out of place."""
+        group, state = job.group, job.state
+        beta2 = group["betas"][1]
+        index = torch.tensor(rows, device=job.grad.device)
+        g = job.grad.to(torch.float32)[index]
+        s, f = start_step(group), group["precondition_frequency"]
+        deltas = []
+        for r in rows:
+            t = job.step - (job.offsets[r] if job.offsets else 0)
+            deltas.append(t if first else min(t - s, f))
+        delta = torch.tensor(deltas, dtype=torch.float64)
+        if beta2 == 1.0:
+            keep, weight = torch.ones_like(delta), delta
+        else:
+            keep = beta2**delta
+            weight = 1.0 - keep
+        keep = keep.to(g.dtype).to(g.device).view(-1, 1, 1)
+        weight = weight.to(g.dtype).to(g.device).view(-1, 1, 1)
+        factors = {}
+        for j in self.quantized_dims(stack, group):
+            d = stack.shape[j]
+            outer = update_factor(g.new_zeros(len(rows), d, d), g, j, 0.0)  # G Gᵀ
+            if first:
+                factors[j] = outer.mul_(weight)
+                continue
+            v = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
+            lam = state[f"factor_eigenvalues_{j}"][index]
+            previous = (v * lam.unsqueeze(-2)) @ v.mT
+            factors[j] = previous.mul_(keep).add_(outer.mul_(weight))
+        return factors
+
+    def checked_factors(self, stack, job) -> dict[str, Tensor]:
+        """The 32-bit factors as usual, and the sampled factors of the quantised dims (kept
+        for the refresh that follows), rows in ``job.refresh_rows`` order."""
+        factors = super().checked_factors(stack, job)
+        groups = common.split_first(job.refresh_rows, job.first_rows)
+        sampled: dict[int, list[Tensor]] = {}
+        for rows, first in groups:
+            computed = self.sampled_factors(stack, job, rows, first)
+            job.cache[("sampled", tuple(rows), first)] = computed
+            for j, f in computed.items():
+                sampled.setdefault(j, []).append(f)
+        order = [r for rows, _ in groups for r in rows]
+        perm = [order.index(r) for r in job.refresh_rows]
+        for j, parts in sampled.items():
+            factors[f"sampled_factor_{j}"] = torch.cat(parts)[perm]
+        return factors
+
+    def update_statistics(self, stack, job, g: Tensor, scratch: Scratch) -> None:
+        if job.new_factors is not None:  # only the 32-bit factors are state
+            job.new_factors = {k: v for k, v in job.new_factors.items()
+                               if not k.startswith("sampled_factor_")}
+        super().update_statistics(stack, job, g, scratch)
+
+    def refresh_quantized(self, stack, job, rows: list[int], first: bool,
+                          descending: bool) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """New eigendecompositions of the quantised factors of ``rows``: eigenvalues and
+        quantised eigenvectors stored (failed matrices keep theirs). Returns, per dim, the
+        local rows that succeeded with their float32 eigenvalues and eigenvectors."""
+        group, state = job.group, job.state
+        index = torch.tensor(rows, device=job.grad.device)
+        results = {}
+        sampled = job.cache.pop(("sampled", tuple(rows), first), None)
+        if sampled is None:
+            sampled = self.sampled_factors(stack, job, rows, first)
+        for j, factor in sampled.items():
+            d = stack.shape[j]
+            if first or group["eigendecomposition"] == "eigh":
+                eig = linalg.batched_eigh(factor)
+                values, vectors = eig.eigenvalues, eig.eigenvectors
+                ok = torch.tensor(eig.ok, dtype=torch.bool)
+                if descending:
+                    values, vectors = values.flip(-1), vectors.flip(-1)
+            else:
+                start = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
+                if descending:
+                    vectors, values, _ = linalg.qr_iteration(
+                        factor, start, group["qr_max_iterations"],
+                        method=group["orthogonalization"])
+                else:
+                    vectors, values = linalg.qr_algorithm_direct(
+                        factor, start, group["qr_max_iterations"], 0.0,
+                        group["orthogonalization"])
+                ok = (linalg.finite_rows(vectors) & linalg.finite_rows(values)).cpu()
+            done = ok.nonzero().flatten().to(index.device)
+            if len(done) > 0:
+                state[f"factor_eigenvalues_{j}"][index[done]] = values[done].float()
+                quantization.store(state, f"factor_eigenvectors_{j}",
+                                   vectors[done].mT.float(), index[done])
+            stack.count_failures(f"factor_eigenvectors_{j}", ok,
+                                 [job.members[r] for r in rows], job.step)
+            results[j] = (done, values[done], vectors[done])
+        return results
+
+
+class QuantizedShampoo(QuantizedFactors, Shampoo):
+    name = "shampoo"
+
+    def state_shapes(self, stack, group: dict) -> dict:
+        shapes = super().state_shapes(stack, group)
+        shapes.update(self.quantized_factor_shapes(stack, group))
+        for j in self.quantized_dims(stack, group):
+            d = stack.shape[j]
+            shapes[f"inverse_root_{j}_diagonal"] = ((d,), torch.float32)
+            shapes.update(quantization.state_shapes(f"inverse_root_{j}", d, d))
+        return shapes
+
+    def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
+        super().refresh(stack, job, rows, first, workspace)  # the 32-bit dims
+        group, state = job.group, job.state
+        bias2 = second_moment_bias(group, job.step)
+        index = torch.tensor(rows, device=job.grad.device)
+        for j, (done, values, vectors) in self.refresh_quantized(
+                stack, job, rows, first, descending=False).items():
+            if len(done) == 0:
+                continue
+            lam = linalg.regularized_eigenvalues(values / bias2 + group["epsilon"],
+                                                 group["epsilon"])
+            exponent = dim_exponents(group, stack.order)[j]
+            root = linalg.inverse_root_from_eigen(lam, vectors.contiguous(), exponent)
+            diagonal = root.diagonal(dim1=-2, dim2=-1).clone()
+            root.diagonal(dim1=-2, dim2=-1).zero_()
+            state[f"inverse_root_{j}_diagonal"][index[done]] = diagonal
+            quantization.store(state, f"inverse_root_{j}", root, index[done])
+
+    def roots(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
+        roots = super().roots(stack, job, scratch)
+        n = job.grad.shape[0]
+        for j in self.quantized_dims(stack, job.group):
+            d = stack.shape[j]
+            root = quantization.load(job.state, f"inverse_root_{j}", d)
+            root.diagonal(dim1=-2, dim2=-1).copy_(job.state[f"inverse_root_{j}_diagonal"])
+            roots[j] = scratch.get(f"root_{j}", (n, d, d), torch.float32).copy_(root)
+        return roots
+
+
+class QuantizedEigenvalueCorrected(QuantizedFactors, EigenvalueCorrected):
+    name = "eigenvalue_corrected"
+
+    def state_shapes(self, stack, group: dict) -> dict:
+        shapes = super().state_shapes(stack, group)
+        shapes.update(self.quantized_factor_shapes(stack, group))
+        return shapes
+
+    def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
+        super().refresh(stack, job, rows, first, workspace)  # the 32-bit dims
+        descending = job.group["eigenbasis_variant"] == "descending"
+        self.refresh_quantized(stack, job, rows, first, descending)
+
+    def bases(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
+        """The quantised dims' bases are their factors' eigenvectors, dequantised once per
+        step (no Björck step: the steady path stays elementwise)."""
+        bases = super().bases(stack, job, scratch)
+        n = job.grad.shape[0]
+        for j in self.quantized_dims(stack, job.group):
+            if j not in job.cache:
+                d = stack.shape[j]
+                v = self.eigenvectors(job.state, j, d)
+                job.cache[j] = scratch.get(f"basis_{j}", (n, d, d), torch.float32).copy_(v)
+            bases[j] = job.cache[j]
+        return bases
