@@ -8,12 +8,13 @@ result file per rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.distributed as dist
 
-from hf_shampoo import DistributedShampoo
+from hf_shampoo import DistributedShampoo, quantization
 from hf_shampoo.distributed_checkpoint import load_sharded, save_sharded
 
 SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), ()]
@@ -40,9 +41,29 @@ SCENARIOS: dict[str, dict] = {
                                refresh_schedule="staggered"),
     "kl_shampoo_adam": dict(lr=0.01, preconditioner="kl_shampoo", grafting="adam",
                             precondition_frequency=2, max_preconditioner_dim=16),
+    "shampoo_4bit": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                         max_preconditioner_dim=16, quantization="4bit"),
+    "eigen_qr_4bit": dict(lr=0.01, betas=(0.9, 0.99), epsilon=1e-8,
+                          preconditioner="eigenvalue_corrected", eigendecomposition="qr",
+                          precondition_frequency=2, max_preconditioner_dim=16,
+                          quantization="4bit"),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
 }
+
+
+@contextlib.contextmanager
+def small_factors_quantized(config: dict):
+    """4-bit scenarios: quantise these tiny factors too (4096 elements is the real floor)."""
+    if config.get("quantization") != "4bit":
+        yield
+        return
+    floor = quantization.MIN_QUANTIZED_ELEMENTS
+    quantization.MIN_QUANTIZED_ELEMENTS = 16
+    try:
+        yield
+    finally:
+        quantization.MIN_QUANTIZED_ELEMENTS = floor
 # Wrapped-model runs compare with one process up to all-reduce rounding: keep the factors
 # well conditioned (a rank-deficient factor with ε = 1e-12 amplifies rounding ~1e6 times).
 WRAPPED_CONFIG = dict(lr=0.05, grafting="adam", precondition_frequency=2, epsilon=1e-3,
@@ -67,9 +88,10 @@ def train(config: dict, steps: int = STEPS, shapes=SHAPES, params=None, optimize
           first_step: int = 1):
     params = params if params is not None else make_params(shapes)
     opt = optimizer or DistributedShampoo(params, **config)
-    for step in range(first_step, first_step + steps):
-        set_grads(params, step)
-        opt.step()
+    with small_factors_quantized(config):
+        for step in range(first_step, first_step + steps):
+            set_grads(params, step)
+            opt.step()
     return params, opt
 
 

@@ -34,7 +34,7 @@ PLAIN = {5}
 NO_GRAD = {1: (2, 3)}  # parameter 1 has no gradient at steps 2 and 3
 SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (
     "shampoo_adam", "eigen_qr", "rmsprop_nesterov_l2", "adagrad_corrected_beta3",
-    "staggered_eigen_qr", "bf16_communication")}
+    "staggered_eigen_qr", "bf16_communication", "shampoo_4bit", "eigen_qr_4bit")}
 SCENARIOS["decoupled_momentum"] = dict(lr=0.01, grafting="adam", momentum=0.5,
                                        weight_decay=0.05, precondition_frequency=2,
                                        max_preconditioner_dim=16)
@@ -99,10 +99,11 @@ def train_one_process(config: dict, steps: int = STEPS, shapes=SHAPES):
     """The reference: the same parameters and gradients, plain tensors, one process."""
     params = [torch.nn.Parameter(t) for t in full_params(shapes)]
     opt = DistributedShampoo(params, **{**config, "distributed": "none"})
-    for step in range(1, steps + 1):
-        for p, grad in zip(params, full_grads(step, shapes)):
-            p.grad = grad
-        opt.step()
+    with ddp_worker.small_factors_quantized(config):
+        for step in range(1, steps + 1):
+            for p, grad in zip(params, full_grads(step, shapes)):
+                p.grad = grad
+            opt.step()
     return [p.detach() for p in params]
 
 
@@ -110,11 +111,12 @@ def train(mesh, config: dict, steps: int = STEPS, params=None, optimizer=None,
           first_step: int = 1, between=None):
     params = params if params is not None else sharded_params(mesh)
     opt = optimizer or DistributedShampoo(params, **config)
-    for step in range(first_step, first_step + steps):
-        set_sharded_grads(params, mesh, step)
-        opt.step()
-        if between is not None:
-            between(step, params, opt)
+    with ddp_worker.small_factors_quantized(config):
+        for step in range(first_step, first_step + steps):
+            set_sharded_grads(params, mesh, step)
+            opt.step()
+            if between is not None:
+                between(step, params, opt)
     return params, opt
 
 

@@ -1,0 +1,209 @@
+"""Tests for quantization.py and the 4-bit kinds (preconditioners/quantized.py)."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from hf_shampoo import DistributedShampoo, quantization
+from hf_shampoo.stack import BlockStack
+
+LEVELS = quantization.linear_square_levels(torch.float64)
+
+
+def test_linear_square_code():
+    """SPEC §5: sign(x)·x² over linspace(-1, 1, 16), with -1/225 replaced by an exact 0."""
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64)
+    expected = x.sign() * x.square()
+    assert len(LEVELS) == 16 and bool((LEVELS[1:] > LEVELS[:-1]).all())
+    assert LEVELS[7] == 0 and float(expected[7]) == pytest.approx(-1 / 225)
+    torch.testing.assert_close(torch.cat([LEVELS[:7], LEVELS[8:]]),
+                               torch.cat([expected[:7], expected[8:]]), rtol=0, atol=1e-15)
+    assert quantization.max_rounding_error() == pytest.approx((1 - 169 / 225) / 2)
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 64), (2, 5, 100), (1, 70, 7)])
+def test_round_trip_error_within_the_code_bound(shape):
+    """Every element within half the widest level gap of its 64-block's absmax; the block's
+    absmax itself is exact; storage is 4 bits plus a float32 scale per 64 elements."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * torch.logspace(-3, 1, shape[-1])
+    q = quantization.quantize(x)
+    width = quantization.padded(shape[-1])
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (*shape[:-1], width // 2)
+    assert q.scales.shape == (*shape[:-1], width // 64)
+    y = quantization.dequantize(q)
+    assert y.shape == x.shape
+    padded_x = torch.nn.functional.pad(x, (0, width - shape[-1]))
+    absmax = padded_x.reshape(*shape[:-1], -1, 64).abs().amax(-1)
+    bound = absmax.repeat_interleave(64, dim=-1)[..., : shape[-1]]
+    error = (x - y).abs()
+    assert bool((error <= bound * quantization.max_rounding_error() * (1 + 1e-6)).all())
+    # the largest element of each block is a level (±1) times the scale: exact
+    blocks = padded_x.reshape(*shape[:-1], -1, 64)
+    where = blocks.abs().argmax(-1, keepdim=True)
+    padded_y = torch.nn.functional.pad(y, (0, width - shape[-1])).reshape(blocks.shape)
+    torch.testing.assert_close(padded_y.gather(-1, where), blocks.gather(-1, where),
+                               rtol=0, atol=0)
+
+
+def test_identity_and_zeros_are_exact():
+    for matrix in (torch.eye(96), torch.zeros(96, 96), torch.eye(40)):
+        restored = quantization.dequantize(quantization.quantize(matrix))
+        assert torch.equal(restored, matrix)
+
+
+def test_bjorck_restores_orthogonality_to_float32_precision():
+    g = torch.Generator().manual_seed(1)
+    u = torch.linalg.qr(torch.randn(2, 256, 256, generator=g, dtype=torch.float64))[0].float()
+    v = quantization.dequantize(quantization.quantize(u.mT)).mT
+    eye = torch.eye(256)
+    assert (v.mT @ v - eye).abs().max() > 1e-2  # quantisation broke orthogonality
+    w = quantization.bjorck(v, 4)
+    assert (w.mT @ w - eye).abs().max() < 2e-6
+    # and it stays close to the original eigenvectors (the code's error, not more)
+    assert (w - u).norm() / u.norm() < 0.1
+
+
+def _spd_with_spectrum(d, values, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
+    return (u * values) @ u.T, u
+
+
+def test_inverse_root_from_4bit_state_close_to_32bit():
+    """A factor with a known spectrum (condition 1e4), stored as float32 eigenvalues and 4-bit
+    eigenvectors, and its inverse 4th root from the dequantised eigenvectors after 4 Björck
+    steps: close to the exact root, far closer than quantising the root matrix itself
+    (arXiv 2405.18144, Table 1: quantise eigenvectors, not matrices)."""
+    d = 128
+    values = torch.logspace(0, -4, d, dtype=torch.float64)
+    a, u = _spd_with_spectrum(d, values)
+    exact = (u * values ** -0.25) @ u.T
+    v = quantization.dequantize(quantization.quantize(u.T.float())).T
+    v = quantization.bjorck(v, 4).double()
+    from_vectors = (v * values ** -0.25) @ v.T
+    from_matrix = quantization.dequantize(quantization.quantize(exact.float())).double()
+    error = (from_vectors - exact).norm() / exact.norm()
+    assert error < 0.08
+    assert error < 0.6 * (from_matrix - exact).norm() / exact.norm()
+    # what the optimizer stores: the root's diagonal in float32, its off-diagonal in 4 bits
+    off = exact - torch.diag(exact.diagonal())
+    stored = quantization.dequantize(quantization.quantize(off.float())).double()
+    stored += torch.diag(exact.diagonal())
+    assert (stored - exact).norm() / exact.norm() < 0.08
+
+
+# ------------------------------------------------------------------- the optimizer
+def _regression(quantization_kind, preconditioner="shampoo", steps=60, frequency=5, batch=64,
+                **kw):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(96, 80) * 0.1)
+    b = torch.nn.Parameter(torch.zeros(80))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(512, 96, generator=g), torch.randn(512, 80, generator=g)
+    shampoo = preconditioner == "shampoo"
+    config = dict(lr=3e-2 if shampoo else 3e-3, betas=(0.9, 0.999),
+                  grafting="adam" if shampoo else None, epsilon=1e-12 if shampoo else 1e-8,
+                  precondition_frequency=frequency, preconditioner=preconditioner)
+    opt = DistributedShampoo([w, b], quantization=quantization_kind, **{**config, **kw})
+    for _ in range(steps):
+        i = torch.randint(0, 512, (batch,), generator=g)
+        loss = ((x[i] @ w + b - y[i]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return ((x @ w + b - y) ** 2).mean().item(), opt, (w, b)
+
+
+@pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
+def test_short_training_within_margin_of_32bit(preconditioner):
+    """A least-squares problem (96×80 weights: two quantised factors): the 4-bit run's
+    final loss within 5% of the 32-bit run's, both well below the starting loss."""
+    full, *_ = _regression(None, preconditioner)
+    four, opt, _ = _regression("4bit", preconditioner)
+    assert abs(four - full) <= 0.05 * full
+    start = _regression(None, preconditioner, steps=0)[0]
+    assert four < 0.8 * start
+    names = set(opt._ensure_layout().owned[0].state)
+    assert "factor_eigenvectors_0_codes" in names and "factor_matrix_0" not in names
+
+
+def test_first_refresh_roots_close_to_32bit():
+    """A first refresh at step 1 sees one gradient in both (the 32-bit EMA and the 4-bit
+    sample are the same factor; ε = 1e-4 because one 96×80 gradient leaves the 96×96 factor
+    rank-deficient, whose root at ε = 1e-12 is round-off in the null space), so the 4-bit
+    roots (float32 diagonal + 4-bit
+    off-diagonal) differ from the 32-bit ones by the code's error only: within 8%
+    (Frobenius), as in the known-spectrum test above."""
+    _, full, _ = _regression(None, steps=1, frequency=1, epsilon=1e-4)
+    _, four, _ = _regression("4bit", steps=1, frequency=1, epsilon=1e-4)
+    a, b = full._ensure_layout().owned[0], four._ensure_layout().owned[0]
+    for j in range(2):
+        root = b.state[f"inverse_root_{j}_codes"], b.state[f"inverse_root_{j}_scales"]
+        restored = quantization.dequantize(quantization.Quantized(*root, a.shape[j]))
+        restored.diagonal(dim1=-2, dim2=-1).copy_(b.state[f"inverse_root_{j}_diagonal"])
+        exact = a.state[f"inverse_root_{j}"]
+        assert (restored - exact).norm() / exact.norm() < 0.08
+
+
+def test_state_is_smaller_by_more_than_6x():
+    """Per 1024×1024 block, the Kronecker state beyond the grafting and momentum state:
+    32-bit Shampoo keeps 2 float32 factors + 2 roots; 4-bit about 1.13 bytes per element."""
+    def kronecker_bytes(q):
+        w = torch.nn.Parameter(torch.zeros(1024, 1024))
+        opt = DistributedShampoo([w], quantization=q, grafting="adam")
+        stack = opt._ensure_layout().owned[0]
+        group = opt.param_groups[0]
+        return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                   for name, (shape, dtype) in stack.expected_state(group).items()
+                   if name not in ("grafting_state", "filtered_grad"))
+    assert kronecker_bytes(None) / kronecker_bytes("4bit") >= 6.0
+
+
+@pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
+def test_checkpoint_round_trip_is_exact_and_weights_only(preconditioner):
+    _, opt, params = _regression("4bit", preconditioner, steps=12)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    kinds = {t.dtype for entry in state["state"].values() for t in entry.values()
+             if isinstance(t, torch.Tensor)}
+    assert torch.uint8 in kinds  # the codes are saved as they are
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    other = DistributedShampoo(clones, **{k: v for k, v in opt.defaults.items()})
+    other.load_state_dict(state)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(11):  # across the next refreshes
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for o, ps in ((opt, params), (other, clones)):
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+            o.step()
+    for a, b in zip(params, clones):
+        assert torch.equal(a, b)
+
+
+def test_bad_values_are_refused():
+    w = torch.nn.Parameter(torch.zeros(80, 80))
+    with pytest.raises(ValueError, match="quantization='8bit'.*None, '4bit'"):
+        DistributedShampoo([w], quantization="8bit")
+    with pytest.raises(ValueError, match="quantization='4bit'.*kl_shampoo"):
+        DistributedShampoo([w], quantization="4bit", preconditioner="kl_shampoo")
+    with pytest.raises(ValueError, match="quantization='4bit'.*float32"):
+        DistributedShampoo([w], quantization="4bit", factor_matrix_dtype=torch.float64)
+    # the diagonal kind has no factors: 4-bit is accepted and changes nothing
+    DistributedShampoo([w], quantization="4bit", preconditioner="diagonal", grafting="adam")
+
+
+def test_small_factors_stay_32bit():
+    """Factors with fewer than 4096 elements (here 40×40) keep the 32-bit state and update."""
+    w = torch.nn.Parameter(torch.zeros(40, 96))
+    opt = DistributedShampoo([w], quantization="4bit", grafting="adam")
+    stack: BlockStack = opt._ensure_layout().owned[0]
+    names = set(stack.expected_state(opt.param_groups[0]))
+    assert {"factor_matrix_0", "inverse_root_0", "factor_eigenvalues_1",
+            "inverse_root_1_diagonal"} <= names
+    assert "factor_matrix_1" not in names
