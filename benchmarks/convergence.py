@@ -52,7 +52,75 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
         out[f"SOAP-desc qr τ={tolerance:g}"] = dict(descending, eigendecomposition="qr",
                                                    eigenbasis_tolerance=tolerance)
     out["KL-Shampoo eigh"] = dict(SHAMPOO, preconditioner="kl_shampoo")
+    # 4-bit state (SPEC §5): factors sampled at refresh steps (preconditioners/quantized.py)
+    out["Shampoo 4-bit eigh"] = dict(SHAMPOO, quantization="4bit")
+    for every in (1, 2, 5):
+        out[f"Shampoo 4-bit eigh, statistics every {every}"] = dict(
+            SHAMPOO, quantization="4bit", statistics_frequency=every)
+    out["SOAP 4-bit eigh"] = dict(SOAP, quantization="4bit")
+    out["SOAP 4-bit eigh, statistics every 1"] = dict(SOAP, quantization="4bit",
+                                                      statistics_frequency=1)
     return out
+
+
+# ------------------------------------------------------ a small GPT-2 on stdlib sources
+CONTEXT = 128
+
+
+def load_text() -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes of Python's own standard-library sources (no download): the first 150
+    top-level modules by name for training, the next 30 for validation."""
+    import pathlib
+    import sysconfig
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+    def tokens(paths) -> torch.Tensor:
+        data = b"".join(path.read_bytes() for path in paths)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+    return tokens(files[:150]), tokens(files[150:180])
+
+
+def make_gpt2(seed: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=128, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                        eos_token_id=None)
+    return GPT2LMHeadModel(config)
+
+
+def windows_of(tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    return torch.stack([tokens[s : s + CONTEXT] for s in starts.tolist()])
+
+
+def train_gpt2(config: dict | None, seed: int, args) -> tuple[list[float], float, float]:
+    """Byte-level language model: training losses, validation loss (64 fixed windows)."""
+    train_tokens, val_tokens = load_text()
+    model = make_gpt2(seed)
+    if config is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
+                                weight_decay=1e-4)
+    else:
+        opt = DistributedShampoo(model.parameters(), lr=args.lr,
+                                 precondition_frequency=args.frequency, **config)
+    g = torch.Generator().manual_seed(seed + 1)
+    losses = []
+    for _ in range(args.steps):
+        starts = torch.randint(0, len(train_tokens) - CONTEXT, (args.batch_size,), generator=g)
+        batch = windows_of(train_tokens, starts)
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, 64).long()
+    with torch.no_grad():
+        batch = windows_of(val_tokens, starts)
+        validation = model(input_ids=batch, labels=batch).loss.item()
+    return losses, validation, float("nan")
 
 
 def load_data(seed: int):
@@ -110,19 +178,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerances", type=float, nargs="*", default=[0.05, 0.1, 0.2],
                         help="eigenbasis_tolerance values τ > 0 for the QR runs")
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"],
+                        choices=["mlp", "cnn", "gpt2"],
+                        help="gpt2: a 2-layer byte-level GPT-2 on Python's standard-library "
+                             "sources (validation loss instead of test accuracy)")
+    parser.add_argument("--configs", nargs="*", default=None,
+                        help="only these optimizers (names as in the table)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     windows = list(range(0, args.steps, args.window))
-    print(f"Digits (1437 train / 360 test), batch {args.batch_size}, lr {args.lr}, "
+    data = ("GPT-2 (2 layers, 128 wide, bytes, context 128) on Python's standard library"
+            if args.models == ["gpt2"] else "Digits (1437 train / 360 test)")
+    print(f"{data}, batch {args.batch_size}, lr {args.lr}, "
           f"precondition_frequency {args.frequency}, {args.steps} steps, mean of "
           f"{args.seeds} seeds; {hardware()}\n")
     for kind in args.models:
         head = "| optimizer | " + " | ".join(f"loss {w + 1}-{w + args.window}" for w in windows)
-        print(f"#### {kind.upper()}\n\n{head} | test acc | stale share |")
+        metric = "val loss" if kind == "gpt2" else "test acc"
+        print(f"#### {kind.upper()}\n\n{head} | {metric} | stale share |")
         print("|---" * (len(windows) + 3) + "|")
         for name, config in configs(args.tolerances).items():
-            runs = [train(kind, config, seed, args) for seed in range(args.seeds)]
+            if args.configs is not None and name not in args.configs:
+                continue
+            if kind == "gpt2":
+                runs = [train_gpt2(config, seed, args) for seed in range(args.seeds)]
+            else:
+                runs = [train(kind, config, seed, args) for seed in range(args.seeds)]
             cells = []
             for w in windows:
                 cells.append(statistics.mean(
@@ -130,8 +211,9 @@ def main() -> None:
             accuracy = statistics.mean(a for _, a, _ in runs)
             stale = statistics.mean(s for _, _, s in runs)
             stale_text = "–" if stale != stale else f"{stale:.0%}"
+            spread = (max(a for _, a, _ in runs) - min(a for _, a, _ in runs)) / 2
             print(f"| {name} | " + " | ".join(f"{c:.4f}" for c in cells)
-                  + f" | {accuracy:.3f} | {stale_text} |", flush=True)
+                  + f" | {accuracy:.3f} ± {spread:.3f} | {stale_text} |", flush=True)
         print()
 
 

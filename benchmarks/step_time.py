@@ -256,6 +256,8 @@ def main() -> None:
                         choices=["householder", "cholesky_qr"],
                         help="orthogonalisations of the QR runs (and a per-size cost table "
                              "when more than Householder is asked for)")
+    parser.add_argument("--quantization", action="store_true",
+                        help="also 4-bit Shampoo (and 4-bit SOAP with --soap)")
     parser.add_argument("--only-orthogonalization", action="store_true",
                         help="only the per-size cost table of the orthogonalisations")
     parser.add_argument("--real-run", type=int, default=0, metavar="F",
@@ -300,9 +302,14 @@ def fixed_gradient_lines(args) -> list[str]:
             runners.append(ours(params, grads, f"hf_shampoo, {label(tolerance, method)}",
                                 eigendecomposition="qr", eigenbasis_tolerance=tolerance,
                                 orthogonalization=method))
+    if args.quantization:
+        runners.append(ours(params, grads, "hf_shampoo 4-bit", quantization="4bit"))
     if args.soap:
         soap = dict(preconditioner="eigenvalue_corrected", grafting=None, epsilon=1e-8)
         runners.append(ours(params, grads, "hf_shampoo SOAP, eigh", **soap))
+        if args.quantization:
+            runners.append(ours(params, grads, "hf_shampoo SOAP 4-bit, eigh",
+                                quantization="4bit", **soap))
         for method in args.orthogonalization:
             for tolerance in args.qr_tolerance:
                 runners.append(ours(params, grads, f"hf_shampoo SOAP, {label(tolerance, method)}",

@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "eigenbasis_variant": "meta",
     "orthogonalization": "householder",
     "quantization": None,
+    "statistics_frequency": None,
     "inverse_exponent_override": None,
     "grafting": None,
     "grafting_beta2": 0.999,
@@ -200,11 +201,21 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_choice("eigenbasis_variant", group["eigenbasis_variant"], EIGENBASIS_VARIANTS)
     _check_choice("orthogonalization", group["orthogonalization"], ORTHOGONALIZATIONS)
     _check_choice("quantization", group["quantization"], QUANTIZATIONS)
+    if group["quantization"] is None and group["statistics_frequency"] is not None:
+        _fail("statistics_frequency", group["statistics_frequency"], "it sets how often "
+              "4-bit factors are sampled: expected None unless quantization='4bit' (32-bit "
+              "factors take every gradient)")
     if group["quantization"] == "4bit":
         if group["preconditioner"] == "kl_shampoo":
             _fail("quantization", "4bit", "4-bit state exists for preconditioner 'shampoo' "
                   "and 'eigenvalue_corrected' (and has no effect with 'diagonal'), not for "
                   "'kl_shampoo'")
+        every = group["statistics_frequency"]
+        if every is not None:
+            _check_int("statistics_frequency", every, 1)
+            if group["precondition_frequency"] % every != 0:
+                _fail("statistics_frequency", every, "expected None or a divisor of "
+                      f"precondition_frequency ({group['precondition_frequency']})")
         if group["factor_matrix_dtype"] != torch.float32:
             _fail("quantization", "4bit", "4-bit state keeps its eigenvalues in float32: "
                   "factor_matrix_dtype must be torch.float32")

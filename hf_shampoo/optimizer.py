@@ -14,6 +14,7 @@ The class validates hyperparameters, lays parameters out as blocks and stacks
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         eigenbasis_variant: str = DEFAULTS["eigenbasis_variant"],
         orthogonalization: str = DEFAULTS["orthogonalization"],
         quantization: str | None = DEFAULTS["quantization"],
+        statistics_frequency: int | None = DEFAULTS["statistics_frequency"],
         inverse_exponent_override: dict | None = DEFAULTS["inverse_exponent_override"],
         grafting: str | None = DEFAULTS["grafting"],
         grafting_beta2: float = DEFAULTS["grafting_beta2"],
@@ -464,14 +466,21 @@ class DistributedShampoo(torch.optim.Optimizer):
         return keys
 
     def describe_blocks(self) -> list[dict[str, Any]]:
-        """One row per block: parameter name, block shape, owning rank."""
+        """One row per block: parameter name, block shape, owning rank, and the bytes of
+        optimizer state the block will hold on that rank (``state_bytes``: every state
+        tensor of the block's configuration, allocated or not yet)."""
         layout = self._ensure_layout()
-        return [
-            {"name": b.name, "param_index": b.param_index, "block": b.block_index,
-             "shape": s.shape, "rank": s.rank,
-             "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0}
-            for s in layout.stacks for i, b in enumerate(s.members)
-        ]
+        rows = []
+        for s in layout.stacks:
+            expected = s.expected_state(self.param_groups[s.group_index])
+            nbytes = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                         for shape, dtype in expected.values())
+            rows += [{"name": b.name, "param_index": b.param_index, "block": b.block_index,
+                      "shape": s.shape, "rank": s.rank,
+                      "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0,
+                      "state_bytes": nbytes}
+                     for i, b in enumerate(s.members)]
+        return rows
 
 
 def _refreshes_somewhere(layout: Layout, groups: list[dict], steps: list[int],

@@ -200,6 +200,26 @@ def test_describe_table():
     wte = next(r for r in describe_rows(optimizer) if r["name"] == "transformer.wte.weight")
     assert wte["shape"] == (VOCAB, 32) and wte["blocks"] == "1x(64, 32) + 1x(32, 32)"
     assert wte["rank"] == "0"
-    assert text.splitlines()[-1].startswith(f"{len(list(model.parameters()))} parameters")
+    assert text.splitlines()[-2].startswith(f"{len(list(model.parameters()))} parameters")
+    assert text.splitlines()[-1].startswith("optimizer state per rank: rank 0: ")
     with pytest.raises(TypeError):
         describe(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("quantization", [None, "4bit"])
+def test_described_state_bytes_are_what_a_step_allocates(quantization):
+    """describe()'s state per rank, known before training, equals the bytes of the state
+    tensors the first steps allocate."""
+    model = tiny_gpt2()
+    optimizer = make_optimizer(model, lr=1e-3, grafting="adam", max_preconditioner_dim=64,
+                               quantization=quantization, precondition_frequency=2)
+    promised = sum(b["state_bytes"] for b in optimizer.describe_blocks())
+    for _ in range(2):
+        x = torch.randint(0, VOCAB, (2, 8))
+        optimizer.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+    allocated = sum(t.numel() * t.element_size() for stack in optimizer._ensure_layout().owned
+                    for t in stack.state.values())
+    assert promised == allocated
+    assert f"rank 0: {promised / 2**10:.1f} KiB" in describe(optimizer).splitlines()[-1]

@@ -207,3 +207,68 @@ def test_small_factors_stay_32bit():
     assert {"factor_matrix_0", "inverse_root_0", "factor_eigenvalues_1",
             "inverse_root_1_diagonal"} <= names
     assert "factor_matrix_1" not in names
+
+
+def test_statistics_frequency_samples_between_refreshes():
+    """With statistics_frequency=1 the 4-bit factors take every gradient (the 32-bit EMA up
+    to the code's error), so the roots at the first refresh (step 5) are closer to the
+    32-bit ones than with one sample per refresh."""
+    def roots(opt):
+        stack = opt._ensure_layout().owned[0]
+        out = []
+        for j in range(2):
+            if "inverse_root_0" in stack.state:
+                out.append(stack.state[f"inverse_root_{j}"])
+                continue
+            restored = quantization.load(stack.state, f"inverse_root_{j}", stack.shape[j])
+            restored.diagonal(dim1=-2, dim2=-1).copy_(stack.state[f"inverse_root_{j}_diagonal"])
+            out.append(restored)
+        return out
+
+    def error(opt, reference):
+        return max(float((a - b).norm() / b.norm()) for a, b in zip(roots(opt), reference))
+
+    full = roots(_regression(None, steps=5, frequency=5, epsilon=1e-4)[1])
+    every_step = _regression("4bit", steps=5, frequency=5, epsilon=1e-4,
+                             statistics_frequency=1)[1]
+    once = _regression("4bit", steps=5, frequency=5, epsilon=1e-4)[1]
+    assert error(every_step, full) < 0.1
+    assert error(every_step, full) < 0.5 * error(once, full)
+
+
+def test_statistics_frequency_is_validated():
+    w = torch.nn.Parameter(torch.zeros(80, 80))
+    with pytest.raises(ValueError, match="statistics_frequency=2.*quantization='4bit'"):
+        DistributedShampoo([w], statistics_frequency=2)
+    with pytest.raises(ValueError, match="statistics_frequency=3.*divisor of "
+                                         "precondition_frequency \\(10\\)"):
+        DistributedShampoo([w], quantization="4bit", precondition_frequency=10,
+                           statistics_frequency=3)
+    with pytest.raises(ValueError, match="statistics_frequency=0"):
+        DistributedShampoo([w], quantization="4bit", statistics_frequency=0)
+
+
+def test_reachable_from_optim_args_and_timm():
+    from hf_shampoo.integrations import timm as hf_timm
+    from hf_shampoo.integrations.transformers import parse_optim_args
+
+    parsed = parse_optim_args("quantization=4bit,statistics_frequency=2,"
+                              "precondition_frequency=4")
+    assert parsed.kwargs["quantization"] == "4bit"
+    assert parsed.kwargs["statistics_frequency"] == 2
+    assert parse_optim_args("statistics_frequency=none").kwargs["statistics_frequency"] is None
+
+    from timm.optim import create_optimizer_v2
+
+    hf_timm.register()
+    model = torch.nn.Sequential(torch.nn.Linear(80, 70), torch.nn.Linear(70, 10))
+    opt = create_optimizer_v2(model, opt="shampoo", lr=1e-3, quantization="4bit",
+                              statistics_frequency=1, precondition_frequency=2)
+    assert opt.param_groups[0]["quantization"] == "4bit"
+    x = torch.randn(16, 80)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    stack = next(s for s in opt._ensure_layout().owned if s.shape == (70, 80))
+    assert "factor_eigenvectors_0_codes" in stack.state

@@ -402,14 +402,27 @@ def describe(optimizer: Any) -> str:
     blocks = find_shampoo(optimizer).describe_blocks()
     per_rank: dict[int, list[int]] = {}
     for block in blocks:
-        count = per_rank.setdefault(block["rank"], [0, 0])
+        count = per_rank.setdefault(block["rank"], [0, 0, 0])
         count[0] += 1
         count[1] += int(torch.Size(block["shape"]).numel())
+        count[2] += block["state_bytes"]
     lines.append(
         f"{len(rows)} parameters, {len(blocks)} blocks; per rank: "
         + ", ".join(
-            f"rank {r}: {n} blocks / {e} elements" for r, (n, e) in sorted(per_rank.items())
+            f"rank {r}: {n} blocks / {e} elements" for r, (n, e, _) in sorted(per_rank.items())
         )
     )
+    lines.append(
+        "optimizer state per rank: "
+        + ", ".join(f"rank {r}: {_size(b)} ({b / max(e, 1):.1f} bytes per parameter element)"
+                    for r, (_, e, b) in sorted(per_rank.items()))
+    )
     return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 

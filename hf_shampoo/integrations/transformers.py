@@ -81,6 +81,8 @@ _OPTIONAL_TYPES = {
     "start_preconditioning_step": int,
     "grafting": str,
     "inverse_exponent_override": dict,
+    "quantization": str,
+    "statistics_frequency": int,
 }
 
 

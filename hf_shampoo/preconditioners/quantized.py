@@ -9,15 +9,18 @@ within one eigenvector). Shampoo's inverse root ``I_j`` is kept as a float32 dia
 eigenvalue-corrected kind uses the factor's eigenvectors as its basis. Smaller factors are
 kept and updated as in 32 bits. Everything else (grafting, ``D``, momentum) is float32.
 
-The factor statistics of the quantised dims follow the paper: a factor is only rebuilt at
-the block's refresh steps, from one sampled gradient. With ``Δ`` the steps since the
-block's previous refresh (its step count at the first one), ``V`` the dequantised
-eigenvectors after one Björck step and ``λ`` the eigenvalues:
+The factor statistics of the quantised dims follow the paper: a factor is rebuilt from one
+sampled gradient every ``statistics_frequency`` steps (default: ``precondition_frequency``)
+and at refresh steps, instead of every step. With ``Δ`` the steps since the block's
+previous sample (its step count at the first one), ``V`` the dequantised eigenvectors after
+one Björck step and ``λ`` the eigenvalues (0 before the first sample):
 ``F = β2^Δ · V diag(λ) Vᵀ + (1 − β2^Δ) · G Gᵀ`` (``β2 = 1``: ``F + Δ · G Gᵀ``), so that the
-gradient stands for the ``Δ`` steps since the last refresh and ``1 − β2^t`` stays the bias
+gradient stands for the ``Δ`` steps since the last sample and ``1 − β2^t`` stays the bias
 correction. ``F`` is then decomposed (``eigh``; warm-started QR from ``V`` with
-``eigendecomposition="qr"`` after the first refresh), its eigenvectors quantised, and the
-inverse root computed from the new float32 eigenvectors before they are quantised.
+``eigendecomposition="qr"`` once a block has eigenvectors) and its eigenvectors quantised;
+at refresh steps Shampoo's inverse root is computed from the new float32 eigenvectors
+before they are quantised. The eigenvalue-corrected basis is the factor's eigenvectors, so
+it follows the samples.
 """
 
 from __future__ import annotations
@@ -78,17 +81,33 @@ class QuantizedFactors:
         v = quantization.load(sub, f"factor_eigenvectors_{dim}", d).mT
         return quantization.bjorck(v, bjorck)
 
-    def sampled_factors(self, stack, job, rows: list[int], first: bool) -> dict[str, Tensor]:
+    @staticmethod
+    def sample_every(group: dict) -> int:
+        return group["statistics_frequency"] or group["precondition_frequency"]
+
+    def previous_sample(self, group: dict, t: int) -> int:
+        """The step (of a block's own schedule) of its last sample before ``t``; 0: none.
+        Samples: every ``statistics_frequency`` steps and at the refresh steps."""
+        every, start = self.sample_every(group), start_step(group)
+        return max(every * ((t - 1) // every), start if start < t else 0)
+
+    def sample_rows(self, job) -> list[int]:
+        """Rows whose quantised factors take a sample this step without refreshing."""
+        every, refresh = self.sample_every(job.group), set(job.refresh_rows)
+        steps = [job.step - (job.offsets[r] if job.offsets else 0)
+                 for r in range(job.grad.shape[0])]
+        return [r for r, t in enumerate(steps) if r not in refresh and t >= 1 and t % every == 0]
+
+    def sampled_factors(self, stack, job, rows: list[int]) -> dict[int, Tensor]:
         """``F`` of each quantised dim for ``rows`` (module docstring), out of place."""
         group, state = job.group, job.state
         beta2 = group["betas"][1]
         index = torch.tensor(rows, device=job.grad.device)
         g = job.grad.to(torch.float32)[index]
-        s, f = start_step(group), group["precondition_frequency"]
         deltas = []
         for r in rows:
             t = job.step - (job.offsets[r] if job.offsets else 0)
-            deltas.append(t if first else min(t - s, f))
+            deltas.append(t - self.previous_sample(group, t))
         delta = torch.tensor(deltas, dtype=torch.float64)
         if beta2 == 1.0:
             keep, weight = torch.ones_like(delta), delta
@@ -101,9 +120,7 @@ class QuantizedFactors:
         for j in self.quantized_dims(stack, group):
             d = stack.shape[j]
             outer = update_factor(g.new_zeros(len(rows), d, d), g, j, 0.0)  # G Gᵀ
-            if first:
-                factors[j] = outer.mul_(weight)
-                continue
+            # before the first sample λ = 0, so the rebuilt factor is 0
             v = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
             lam = state[f"factor_eigenvalues_{j}"][index]
             previous = (v * lam.unsqueeze(-2)) @ v.mT
@@ -116,9 +133,9 @@ class QuantizedFactors:
         factors = super().checked_factors(stack, job)
         groups = common.split_first(job.refresh_rows, job.first_rows)
         sampled: dict[int, list[Tensor]] = {}
-        for rows, first in groups:
-            computed = self.sampled_factors(stack, job, rows, first)
-            job.cache[("sampled", tuple(rows), first)] = computed
+        for rows, _ in groups:
+            computed = self.sampled_factors(stack, job, rows)
+            job.cache[("sampled", tuple(rows))] = computed
             for j, f in computed.items():
                 sampled.setdefault(j, []).append(f)
         order = [r for rows, _ in groups for r in rows]
@@ -132,8 +149,15 @@ class QuantizedFactors:
             job.new_factors = {k: v for k, v in job.new_factors.items()
                                if not k.startswith("sampled_factor_")}
         super().update_statistics(stack, job, g, scratch)
+        rows = self.sample_rows(job)
+        if rows:  # a sample between refreshes: new eigenvectors, no root
+            self.refresh_quantized(stack, job, rows, self.descending(job.group))
 
-    def refresh_quantized(self, stack, job, rows: list[int], first: bool,
+    def descending(self, group: dict) -> bool:
+        """Whether bases are kept by descending eigenvalue (else eigh's ascending order)."""
+        return False
+
+    def refresh_quantized(self, stack, job, rows: list[int],
                           descending: bool) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """New eigendecompositions of the quantised factors of ``rows``: eigenvalues and
         quantised eigenvectors stored (failed matrices keep theirs). Returns, per dim, the
@@ -141,12 +165,15 @@ class QuantizedFactors:
         group, state = job.group, job.state
         index = torch.tensor(rows, device=job.grad.device)
         results = {}
-        sampled = job.cache.pop(("sampled", tuple(rows), first), None)
+        sampled = job.cache.pop(("sampled", tuple(rows)), None)
         if sampled is None:
-            sampled = self.sampled_factors(stack, job, rows, first)
+            sampled = self.sampled_factors(stack, job, rows)
+        # eigh for a block's first decomposition (no eigenvectors to start QR from)
+        fresh = any(self.previous_sample(group, job.step - (job.offsets[r] if job.offsets
+                                                             else 0)) == 0 for r in rows)
         for j, factor in sampled.items():
             d = stack.shape[j]
-            if first or group["eigendecomposition"] == "eigh":
+            if fresh or group["eigendecomposition"] == "eigh":
                 eig = linalg.batched_eigh(factor)
                 values, vectors = eig.eigenvalues, eig.eigenvectors
                 ok = torch.tensor(eig.ok, dtype=torch.bool)
@@ -192,7 +219,7 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
         bias2 = second_moment_bias(group, job.step)
         index = torch.tensor(rows, device=job.grad.device)
         for j, (done, values, vectors) in self.refresh_quantized(
-                stack, job, rows, first, descending=False).items():
+                stack, job, rows, descending=False).items():
             if len(done) == 0:
                 continue
             lam = linalg.regularized_eigenvalues(values / bias2 + group["epsilon"],
@@ -225,8 +252,10 @@ class QuantizedEigenvalueCorrected(QuantizedFactors, EigenvalueCorrected):
 
     def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
         super().refresh(stack, job, rows, first, workspace)  # the 32-bit dims
-        descending = job.group["eigenbasis_variant"] == "descending"
-        self.refresh_quantized(stack, job, rows, first, descending)
+        self.refresh_quantized(stack, job, rows, self.descending(job.group))
+
+    def descending(self, group: dict) -> bool:
+        return group["eigenbasis_variant"] == "descending"
 
     def bases(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
         """The quantised dims' bases are their factors' eigenvectors, dequantised once per
