@@ -57,7 +57,6 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
     for every in (1, 2, 5):
         out[f"Shampoo 4-bit eigh, statistics every {every}"] = dict(
             SHAMPOO, quantization="4bit", statistics_frequency=every)
-    out["SOAP 4-bit eigh"] = dict(SOAP, quantization="4bit")
     out["SOAP 4-bit eigh, statistics every 1"] = dict(SOAP, quantization="4bit",
                                                       statistics_frequency=1)
     return out

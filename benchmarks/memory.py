@@ -36,7 +36,8 @@ CONFIGS = {
     "Shampoo 32-bit (Adam grafting)": dict(grafting="adam"),
     "Shampoo 4-bit (Adam grafting)": dict(grafting="adam", quantization="4bit"),
     "SOAP 32-bit": dict(preconditioner="eigenvalue_corrected"),
-    "SOAP 4-bit": dict(preconditioner="eigenvalue_corrected", quantization="4bit"),
+    "SOAP 4-bit": dict(preconditioner="eigenvalue_corrected", quantization="4bit",
+                       statistics_frequency=1),
 }
 
 

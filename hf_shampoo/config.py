@@ -211,6 +211,12 @@ def validate_group(group: dict[str, Any]) -> None:
                   "and 'eigenvalue_corrected' (and has no effect with 'diagonal'), not for "
                   "'kl_shampoo'")
         every = group["statistics_frequency"]
+        if every is None and group["preconditioner"] == "eigenvalue_corrected":
+            _fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo needs an "
+                  "explicit sample cadence: with samples at refresh steps only, one sampled "
+                  "gradient gives rank-deficient factors whose arbitrary eigenbasis meets "
+                  "D's zero entries (it diverged on a small CNN; BENCHMARKS.md, 4-bit "
+                  "state); statistics_frequency=1 matched 32 bits")
         if every is not None:
             _check_int("statistics_frequency", every, 1)
             if group["precondition_frequency"] % every != 0:

@@ -47,7 +47,8 @@ SCENARIOS: dict[str, dict] = {
     "eigen_qr_4bit": dict(lr=0.01, betas=(0.9, 0.99), epsilon=1e-8, grafting="adam",
                           preconditioner="eigenvalue_corrected", eigendecomposition="qr",
                           precondition_frequency=2, max_preconditioner_dim=16,
-                          quantization="4bit", refresh_schedule="staggered"),
+                          quantization="4bit", statistics_frequency=1,
+                          refresh_schedule="staggered"),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
 }

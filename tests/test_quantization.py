@@ -107,6 +107,8 @@ def _regression(quantization_kind, preconditioner="shampoo", steps=60, frequency
     config = dict(lr=3e-2 if shampoo else 3e-3, betas=(0.9, 0.999),
                   grafting="adam" if shampoo else None, epsilon=1e-12 if shampoo else 1e-8,
                   precondition_frequency=frequency, preconditioner=preconditioner)
+    if quantization_kind == "4bit" and not shampoo:
+        config["statistics_frequency"] = 1  # required with eigenvalue correction
     opt = DistributedShampoo([w, b], quantization=quantization_kind, **{**config, **kw})
     for _ in range(steps):
         i = torch.randint(0, 512, (batch,), generator=g)
@@ -194,6 +196,8 @@ def test_bad_values_are_refused():
         DistributedShampoo([w], quantization="4bit", preconditioner="kl_shampoo")
     with pytest.raises(ValueError, match="quantization='4bit'.*float32"):
         DistributedShampoo([w], quantization="4bit", factor_matrix_dtype=torch.float64)
+    with pytest.raises(ValueError, match="statistics_frequency=None.*eigenvalue-corrected"):
+        DistributedShampoo([w], quantization="4bit", preconditioner="eigenvalue_corrected")
     # the diagonal kind has no factors: 4-bit is accepted and changes nothing
     DistributedShampoo([w], quantization="4bit", preconditioner="diagonal", grafting="adam")
 
