@@ -123,7 +123,10 @@ class QuantizedFactors:
             # before the first sample λ = 0, so the rebuilt factor is 0
             v = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
             lam = state[f"factor_eigenvalues_{j}"][index]
-            previous = (v * lam.unsqueeze(-2)) @ v.mT
+            # V diag(λ) Vᵀ = C Cᵀ with C = V diag(√λ), as a symmetric product (λ of a
+            # positive semi-definite factor; eigh's round-off below 0 is dropped)
+            scaled = v * lam.clamp_min(0).sqrt().unsqueeze(-2)
+            previous = linalg.syrk(torch.empty_like(scaled), scaled)
             factors[j] = previous.mul_(keep).add_(outer.mul_(weight))
         return factors
 
