@@ -57,6 +57,8 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
     for every in (1, 2, 5):
         out[f"Shampoo 4-bit eigh, statistics every {every}"] = dict(
             SHAMPOO, quantization="4bit", statistics_frequency=every)
+    out["Shampoo 4-bit qr, statistics every 2"] = dict(
+        SHAMPOO, quantization="4bit", statistics_frequency=2, eigendecomposition="qr")
     out["SOAP 4-bit eigh, statistics every 1"] = dict(SOAP, quantization="4bit",
                                                       statistics_frequency=1)
     return out
