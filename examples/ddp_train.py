@@ -96,6 +96,9 @@ def main() -> None:
               f"accuracy {accuracy:.3f}, optimizer state {shares}, "
               f"ranks hold identical parameters: {same}")
     if launched:
+        # every rank done with rank 0's report before any tears its process group down (a
+        # rank that exits while gloo threads of a peer still talk to it was seen to abort)
+        dist.barrier()
         dist.destroy_process_group()
 
 
