@@ -68,38 +68,45 @@ def hardware() -> str:
 class StaleCounter:
     """Counts the factor matrices the refresh criterion checks and finds stale (a context
     manager around ``linalg.check_basis``). With ``count_tolerance_zero=False`` the calls
-    with τ = 0, where every matrix is stale by definition, are not counted."""
+    with τ = 0, where every matrix is stale by definition, are not counted. SOAP's QR
+    refresh (Meta's QR algorithm, ``linalg.qr_algorithm_direct``) checks the criterion
+    before each of its iterations: only the check before the first one is counted."""
 
     def __init__(self, count_tolerance_zero: bool = True) -> None:
         self.checked = self.stale = 0
         self.count_tolerance_zero = count_tolerance_zero
         self._real = linalg.check_basis
+        self._real_qr = linalg.qr_algorithm_direct
+        self._in_qr = False
+
+    def _count(self, stale, tolerance: float) -> None:
+        if tolerance > 0 or self.count_tolerance_zero:
+            self.checked += len(stale)
+            self.stale += int(stale.sum())
 
     def __enter__(self):
-        def counting(matrices, basis, tolerance):
-            result = self._real(matrices, basis, tolerance)
-            if tolerance > 0 or self.count_tolerance_zero:
-                self.checked += len(result.stale)
-                self.stale += int(result.stale.sum())
+        def counting(matrices, basis, tolerance, *args, **kwargs):
+            result = self._real(matrices, basis, tolerance, *args, **kwargs)
+            if not self._in_qr:
+                self._count(result.stale, tolerance)
             return result
 
-        def counting_qr(matrices, basis, iterations, tolerance=0.0):
-            # SOAP's QR refresh (Meta's qr_algorithm) checks the criterion itself: count the
-            # matrices whose kept basis fails it before the first iteration
-            if tolerance > 0 or self.count_tolerance_zero:
-                rotated = basis.mT @ matrices @ basis
-                self.checked += matrices.shape[0]
-                self.stale += int((~linalg._off_diagonal_within(rotated, tolerance)).sum())
-            return self._real_qr(matrices, basis, iterations, tolerance)
+        def counting_qr(matrices, basis, iterations, tolerance=0.0, *args, **kwargs):
+            first = self._real(matrices, basis, tolerance, zero_means_all=False)
+            self._count(first.stale, tolerance)
+            self._in_qr = True
+            try:
+                return self._real_qr(matrices, basis, iterations, tolerance, *args, **kwargs)
+            finally:
+                self._in_qr = False
 
-        self._real_qr = linalg.qr_algorithm
         linalg.check_basis = counting
-        linalg.qr_algorithm = counting_qr
+        linalg.qr_algorithm_direct = counting_qr
         return self
 
     def __exit__(self, *exc) -> None:
         linalg.check_basis = self._real
-        linalg.qr_algorithm = self._real_qr
+        linalg.qr_algorithm_direct = self._real_qr
 
 
 class SimulatedRank(Distributor):

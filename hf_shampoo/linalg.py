@@ -436,7 +436,7 @@ def qr_algorithm_direct(
     matrices: Tensor, basis: Tensor, iterations: int, tolerance: float = 0.0,
     method: str = "householder",
 ) -> tuple[Tensor, Tensor]:
-    """Meta's QR algorithm (``qr_algorithm``) computed without the rotated frame.
+    """Meta's QR algorithm (``matrix_functions.qr_algorithm``) without the rotated frame.
 
     With ``Q`` orthogonal, ``qr(QᵀAQ) = Qᵀ qr(AQ)`` (the QR factorization with a positive
     ``R`` diagonal is unique), so Meta's ``Q Q'`` is ``qr(AQ)``'s ``Q`` and its ``R Q'`` is
@@ -469,57 +469,5 @@ def qr_algorithm_direct(
         else:
             basis[active], product[active] = new_q, new_p
     values, order = rayleigh_quotients(basis, product).sort(dim=-1, stable=True)
-    basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
-    return basis, values
-
-
-def _off_diagonal_within(estimates: Tensor, tolerance: float) -> Tensor:
-    """``‖B - diag B‖_F <= τ ‖B‖_F`` per matrix, computed as Meta's ``qr_algorithm`` does
-    (``sqrt(‖B‖² - ‖diag B‖²)``)."""
-    norm = torch.linalg.matrix_norm(estimates)
-    diagonal = torch.linalg.vector_norm(estimates.diagonal(dim1=-2, dim2=-1), dim=-1)
-    return torch.sqrt(norm**2 - diagonal**2) <= tolerance * norm
-
-
-def _qr_into(matrices: Tensor, q_out: Tensor, r_out: Tensor) -> None:
-    q, r = torch.linalg.qr(matrices)
-    q_out.copy_(q)
-    r_out.copy_(r)
-
-
-def qr_algorithm(
-    matrices: Tensor, basis: Tensor, iterations: int, tolerance: float = 0.0
-) -> tuple[Tensor, Tensor]:
-    """Meta's QR algorithm in the rotated frame (SPEC §3; ``matrix_functions.qr_algorithm``).
-
-    ``B = Qᵀ A Q``; while a matrix fails the criterion and has iterations left:
-    ``Q', R = qr(B)``, ``B = R Q'``, ``Q = Q Q'``. Then the estimates ``diag B`` are sorted
-    ascending (stable) and the columns of ``Q`` with them. Batched: every matrix takes
-    exactly the iterations it would take alone; the factorizations run one matrix per
-    thread (``per_matrix_threads``: faster on CPU, and batch-independent). Returns
-    ``(basis, estimates)``.
-    """
-    estimates = basis.mT @ matrices @ basis
-    basis = basis.clone()
-    active: Tensor | None = None  # None: every matrix
-    for _ in range(iterations):
-        sub = estimates if active is None else estimates[active]
-        going = ~_off_diagonal_within(sub, tolerance)
-        if not bool(going.any()):
-            break
-        if not bool(going.all()):
-            index = going.nonzero().flatten()
-            active = index if active is None else active[index]
-            sub = sub[index]
-        q = torch.empty_like(sub, memory_format=torch.contiguous_format)
-        r = torch.empty_like(q)
-        per_matrix_threads(_qr_into, [((sub.contiguous(),), (q, r))])
-        if active is None:
-            estimates = r @ q
-            basis = basis @ q
-        else:
-            estimates[active] = r @ q
-            basis[active] = basis[active] @ q
-    values, order = estimates.diagonal(dim1=-2, dim2=-1).sort(dim=-1, stable=True)
     basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
     return basis, values
