@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, quantization
+from hf_shampoo.preconditioners.quantized import QuantizedShampoo
 from hf_shampoo.stack import BlockStack
 
 LEVELS = quantization.linear_square_levels(torch.float64)
@@ -143,9 +144,7 @@ def test_first_refresh_roots_close_to_32bit():
     _, four, _ = _regression("4bit", steps=1, frequency=1, epsilon=1e-4)
     a, b = full._ensure_layout().owned[0], four._ensure_layout().owned[0]
     for j in range(2):
-        root = b.state[f"inverse_root_{j}_codes"], b.state[f"inverse_root_{j}_scales"]
-        restored = quantization.dequantize(quantization.Quantized(*root, a.shape[j]))
-        restored.diagonal(dim1=-2, dim2=-1).copy_(b.state[f"inverse_root_{j}_diagonal"])
+        restored = QuantizedShampoo.stored_root(b.state, j, a.shape[j])
         exact = a.state[f"inverse_root_{j}"]
         assert (restored - exact).norm() / exact.norm() < 0.08
 
@@ -224,9 +223,7 @@ def test_statistics_frequency_samples_between_refreshes():
             if "inverse_root_0" in stack.state:
                 out.append(stack.state[f"inverse_root_{j}"])
                 continue
-            restored = quantization.load(stack.state, f"inverse_root_{j}", stack.shape[j])
-            restored.diagonal(dim1=-2, dim2=-1).copy_(stack.state[f"inverse_root_{j}_diagonal"])
-            out.append(restored)
+            out.append(QuantizedShampoo.stored_root(stack.state, j, stack.shape[j]))
         return out
 
     def error(opt, reference):

@@ -85,6 +85,11 @@ class QuantizedFactors:
     def sample_every(group: dict) -> int:
         return group["statistics_frequency"] or group["precondition_frequency"]
 
+    @staticmethod
+    def own_step(job, row: int) -> int:
+        """The step on a row's own schedule (the step minus its refresh offset)."""
+        return job.step - (job.offsets[row] if job.offsets else 0)
+
     def previous_sample(self, group: dict, t: int) -> int:
         """The step (of a block's own schedule) of its last sample before ``t``; 0: none.
         Samples: every ``statistics_frequency`` steps and at the refresh steps."""
@@ -94,8 +99,7 @@ class QuantizedFactors:
     def sample_rows(self, job) -> list[int]:
         """Rows whose quantised factors take a sample this step without refreshing."""
         every, refresh = self.sample_every(job.group), set(job.refresh_rows)
-        steps = [job.step - (job.offsets[r] if job.offsets else 0)
-                 for r in range(job.grad.shape[0])]
+        steps = [self.own_step(job, r) for r in range(job.grad.shape[0])]
         return [r for r, t in enumerate(steps) if r not in refresh and t >= 1 and t % every == 0]
 
     def sampled_factors(self, stack, job, rows: list[int]) -> dict[int, Tensor]:
@@ -106,7 +110,7 @@ class QuantizedFactors:
         g = job.grad.to(torch.float32)[index]
         deltas = []
         for r in rows:
-            t = job.step - (job.offsets[r] if job.offsets else 0)
+            t = self.own_step(job, r)
             deltas.append(t - self.previous_sample(group, t))
         delta = torch.tensor(deltas, dtype=torch.float64)
         if beta2 == 1.0:
@@ -172,8 +176,7 @@ class QuantizedFactors:
         if sampled is None:
             sampled = self.sampled_factors(stack, job, rows)
         # eigh for a block's first decomposition (no eigenvectors to start QR from)
-        fresh = any(self.previous_sample(group, job.step - (job.offsets[r] if job.offsets
-                                                             else 0)) == 0 for r in rows)
+        fresh = any(self.previous_sample(group, self.own_step(job, r)) == 0 for r in rows)
         for j, factor in sampled.items():
             d = stack.shape[j]
             if fresh or group["eigendecomposition"] == "eigh":
@@ -222,7 +225,7 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
         bias2 = second_moment_bias(group, job.step)
         index = torch.tensor(rows, device=job.grad.device)
         for j, (done, values, vectors) in self.refresh_quantized(
-                stack, job, rows, descending=False).items():
+                stack, job, rows, self.descending(group)).items():
             if len(done) == 0:
                 continue
             lam = linalg.regularized_eigenvalues(values / bias2 + group["epsilon"],
@@ -234,14 +237,18 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
             state[f"inverse_root_{j}_diagonal"][index[done]] = diagonal
             quantization.store(state, f"inverse_root_{j}", root, index[done])
 
+    @staticmethod
+    def stored_root(state: dict, dim: int, d: int) -> Tensor:
+        """``I_j`` of every row of ``state``: the 4-bit off-diagonal, dequantised, with the
+        float32 diagonal written in."""
+        root = quantization.load(state, f"inverse_root_{dim}", d)
+        root.diagonal(dim1=-2, dim2=-1).copy_(state[f"inverse_root_{dim}_diagonal"])
+        return root
+
     def roots(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
         roots = super().roots(stack, job, scratch)
-        n = job.grad.shape[0]
         for j in self.quantized_dims(stack, job.group):
-            d = stack.shape[j]
-            root = quantization.load(job.state, f"inverse_root_{j}", d)
-            root.diagonal(dim1=-2, dim2=-1).copy_(job.state[f"inverse_root_{j}_diagonal"])
-            roots[j] = scratch.get(f"root_{j}", (n, d, d), torch.float32).copy_(root)
+            roots[j] = self.stored_root(job.state, j, stack.shape[j])
         return roots
 
 
@@ -264,11 +271,8 @@ class QuantizedEigenvalueCorrected(QuantizedFactors, EigenvalueCorrected):
         """The quantised dims' bases are their factors' eigenvectors, dequantised once per
         step (no Björck step: the steady path stays elementwise)."""
         bases = super().bases(stack, job, scratch)
-        n = job.grad.shape[0]
         for j in self.quantized_dims(stack, job.group):
             if j not in job.cache:
-                d = stack.shape[j]
-                v = self.eigenvectors(job.state, j, d)
-                job.cache[j] = scratch.get(f"basis_{j}", (n, d, d), torch.float32).copy_(v)
+                job.cache[j] = self.eigenvectors(job.state, j, stack.shape[j])
             bases[j] = job.cache[j]
         return bases
