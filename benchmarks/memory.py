@@ -16,7 +16,6 @@ communication buffers are not state and are not counted (``sharded_scaling.py`` 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -45,8 +44,7 @@ def state_bytes(shape: tuple[int, ...], group: dict) -> tuple[int, int]:
     """(all state, the Kronecker part: everything but grafting state, M and D) of a block."""
     stack = BlockStack(0, shape, [], torch.float32)
     total = kronecker = 0
-    for name, (s, dtype) in stack.expected_state(group).items():
-        nbytes = math.prod(s) * torch.empty(0, dtype=dtype).element_size()
+    for name, nbytes in stack.state_bytes(group).items():
         total += nbytes
         if name not in ("grafting_state", "filtered_grad", "momentum", "corrected_eigenvalues"):
             kronecker += nbytes

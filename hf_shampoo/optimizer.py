@@ -14,7 +14,6 @@ The class validates hyperparameters, lays parameters out as blocks and stacks
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -472,9 +471,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         layout = self._ensure_layout()
         rows = []
         for s in layout.stacks:
-            expected = s.expected_state(self.param_groups[s.group_index])
-            nbytes = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-                         for shape, dtype in expected.values())
+            nbytes = sum(s.state_bytes(self.param_groups[s.group_index]).values())
             rows += [{"name": b.name, "param_index": b.param_index, "block": b.block_index,
                       "shape": s.shape, "rank": s.rank,
                       "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0,

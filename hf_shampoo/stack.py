@@ -125,6 +125,11 @@ class BlockStack:
         shapes.update(stages.state_shapes(group, self.shape, self.work_dtype))
         return shapes
 
+    def state_bytes(self, group: dict) -> dict[str, int]:
+        """Name → bytes of one block's state tensor (of ``expected_state``)."""
+        return {name: math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                for name, (shape, dtype) in self.expected_state(group).items()}
+
     def materialize(self, group: dict) -> None:
         """Allocate missing state (identity roots and bases, zeros elsewhere) and move the
         state to the parameters' device if they moved."""
