@@ -14,6 +14,7 @@ with a tolerance the share of factor matrices that the criterion sent to a QR st
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -64,10 +65,20 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
     return out
 
 
+def make_optimizer(model: nn.Module, config: dict | None, args):
+    """AdamW (``config`` None) or DistributedShampoo with ``config``, same lr for both."""
+    if config is None:
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
+                                 weight_decay=1e-4)
+    return DistributedShampoo(model.parameters(), lr=args.lr,
+                              precondition_frequency=args.frequency, **config)
+
+
 # ------------------------------------------------------ a small GPT-2 on stdlib sources
 CONTEXT = 128
 
 
+@functools.cache
 def load_text() -> tuple[torch.Tensor, torch.Tensor]:
     """Bytes of Python's own standard-library sources (no download): the first 150
     top-level modules by name for training, the next 30 for validation."""
@@ -101,12 +112,7 @@ def train_gpt2(config: dict | None, seed: int, args) -> tuple[list[float], float
     """Byte-level language model: training losses, validation loss (64 fixed windows)."""
     train_tokens, val_tokens = load_text()
     model = make_gpt2(seed)
-    if config is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
-                                weight_decay=1e-4)
-    else:
-        opt = DistributedShampoo(model.parameters(), lr=args.lr,
-                                 precondition_frequency=args.frequency, **config)
+    opt = make_optimizer(model, config, args)
     g = torch.Generator().manual_seed(seed + 1)
     losses = []
     for _ in range(args.steps):
@@ -146,12 +152,7 @@ def make_model(kind: str, seed: int) -> nn.Module:
 def train(kind: str, config: dict | None, seed: int, args) -> tuple[list[float], float, float]:
     x, y, xt, yt = load_data(seed)
     model = make_model(kind, seed)
-    if config is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
-                                weight_decay=1e-4)
-    else:
-        opt = DistributedShampoo(model.parameters(), lr=args.lr,
-                                 precondition_frequency=args.frequency, **config)
+    opt = make_optimizer(model, config, args)
     g = torch.Generator().manual_seed(seed + 1)
     losses = []
     with StaleCounter(count_tolerance_zero=False) as counter:
