@@ -51,8 +51,9 @@ class QuantizedFactors:
         quantized = set(self.quantized_dims(stack, group))
         return [j for j in self.preconditioned_dims(group, stack.order) if j not in quantized]
 
-    def quantized_factor_shapes(self, stack, group: dict) -> dict:
-        shapes = {}
+    def state_shapes(self, stack, group: dict) -> dict:
+        """The kind's 32-bit state for the small factors, and the quantised factors'."""
+        shapes = super().state_shapes(stack, group)
         for j in self.quantized_dims(stack, group):
             d = stack.shape[j]
             shapes[f"factor_eigenvalues_{j}"] = ((d,), torch.float32)
@@ -212,7 +213,6 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
 
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = super().state_shapes(stack, group)
-        shapes.update(self.quantized_factor_shapes(stack, group))
         for j in self.quantized_dims(stack, group):
             d = stack.shape[j]
             shapes[f"inverse_root_{j}_diagonal"] = ((d,), torch.float32)
@@ -254,11 +254,6 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
 
 class QuantizedEigenvalueCorrected(QuantizedFactors, EigenvalueCorrected):
     name = "eigenvalue_corrected"
-
-    def state_shapes(self, stack, group: dict) -> dict:
-        shapes = super().state_shapes(stack, group)
-        shapes.update(self.quantized_factor_shapes(stack, group))
-        return shapes
 
     def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
         super().refresh(stack, job, rows, first, workspace)  # the 32-bit dims
