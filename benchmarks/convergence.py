@@ -14,17 +14,16 @@ with a tolerance the share of factor matrices that the criterion sent to a QR st
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import StaleCounter, hardware  # noqa: E402
+from tasks import CONTEXT, digits_split, make_digits_model, make_gpt2, text_tokens, windows_of  # noqa: E402
 
 from hf_shampoo import DistributedShampoo  # noqa: E402
 
@@ -74,43 +73,9 @@ def make_optimizer(model: nn.Module, config: dict | None, args):
                               precondition_frequency=args.frequency, **config)
 
 
-# ------------------------------------------------------ a small GPT-2 on stdlib sources
-CONTEXT = 128
-
-
-@functools.cache
-def load_text() -> tuple[torch.Tensor, torch.Tensor]:
-    """Bytes of Python's own standard-library sources (no download): the first 150
-    top-level modules by name for training, the next 30 for validation."""
-    import pathlib
-    import sysconfig
-
-    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-
-    def tokens(paths) -> torch.Tensor:
-        data = b"".join(path.read_bytes() for path in paths)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-
-    return tokens(files[:150]), tokens(files[150:180])
-
-
-def make_gpt2(seed: int) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=128, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
-                        eos_token_id=None)
-    return GPT2LMHeadModel(config)
-
-
-def windows_of(tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    return torch.stack([tokens[s : s + CONTEXT] for s in starts.tolist()])
-
-
 def train_gpt2(config: dict | None, seed: int, args) -> tuple[list[float], float, float]:
     """Byte-level language model: training losses, validation loss (64 fixed windows)."""
-    train_tokens, val_tokens = load_text()
+    train_tokens, val_tokens = text_tokens()
     model = make_gpt2(seed)
     opt = make_optimizer(model, config, args)
     g = torch.Generator().manual_seed(seed + 1)
@@ -130,28 +95,9 @@ def train_gpt2(config: dict | None, seed: int, args) -> tuple[list[float], float
     return losses, validation, float("nan")
 
 
-def load_data(seed: int):
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_train = int(0.8 * len(y))
-    return x[perm[:n_train]], y[perm[:n_train]], x[perm[n_train:]], y[perm[n_train:]]
-
-
-def make_model(kind: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "mlp":
-        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                             nn.Linear(128, 10))
-    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
 def train(kind: str, config: dict | None, seed: int, args) -> tuple[list[float], float, float]:
-    x, y, xt, yt = load_data(seed)
-    model = make_model(kind, seed)
+    x, y, xt, yt = digits_split(seed)
+    model = make_digits_model(kind, seed)
     opt = make_optimizer(model, config, args)
     g = torch.Generator().manual_seed(seed + 1)
     losses = []

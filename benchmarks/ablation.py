@@ -1,0 +1,517 @@
+"""The paper's ablation at a scale that reruns in minutes: every optimizer trains the same
+models from the same initialisations on the same batches, its learning rate chosen by a
+sweep this script runs, then several seeds; Shampoo's design choices are varied one at a
+time. Prints markdown tables, writes loss-vs-step and loss-vs-time plots and a JSON file
+of every run.
+
+Tasks (no download; ``--image-dataset`` / ``--text-dataset`` take a Hugging Face dataset
+by name or a ``save_to_disk`` directory instead):
+
+- ``resnet``: a small timm ResNet (one BasicBlock per stage, widths 16-128) on
+  scikit-learn's digits upsampled to 16×16; test accuracy and loss.
+- ``gpt2``: a 2-layer, 128-wide byte-level GPT-2 on Python's standard-library sources;
+  validation loss.
+
+Optimizers: AdamW, SGD with Nesterov momentum (ResNet only), Shampoo with Adam grafting,
+eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo. Every run uses a linear
+warm-up over the first 5 % of steps and a cosine decay to zero. The learning rate of each
+optimizer is the grid value with the lowest mean training loss over the last 20 % of steps
+(seed 0); the test/validation data play no part in the choice.
+
+Ablations (Shampoo, its swept learning rate): ``precondition_frequency`` 1 / 10 / 100,
+grafting (Adam, RMSprop, SGD, none), ``max_preconditioner_dim`` 32 / 128 / 512,
+eigenvalue correction on, the staggered refresh schedule.
+
+Time is the process's CPU time with one thread (``time.process_time``), which equals the
+wall-clock time on an idle core and is not inflated by other work on the machine.
+
+    python benchmarks/ablation.py                       # the full run (about an hour here)
+    python benchmarks/ablation.py --smoke               # the whole pipeline in about a minute
+    python benchmarks/ablation.py --replot outputs/ablation/ablation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import hardware  # noqa: E402
+from tasks import CONTEXT, image_dataset, make_gpt2, make_resnet, text_tokens, windows_of  # noqa: E402
+
+from hf_shampoo import DistributedShampoo  # noqa: E402
+
+SHAMPOO = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
+               grafting_epsilon=1e-8, weight_decay=1e-4, max_preconditioner_dim=128,
+               precondition_frequency=10)
+SOAP = dict(betas=(0.9, 0.999), epsilon=1e-8, preconditioner="eigenvalue_corrected",
+            weight_decay=1e-4, max_preconditioner_dim=128, precondition_frequency=10)
+LRS = (1e-3, 3e-3, 1e-2)
+
+
+@dataclass
+class Optimizer:
+    """A named optimizer: ``kind`` "adamw", "sgd" or "shampoo" (DistributedShampoo with
+    ``keywords``), its learning-rate grid and the tasks it runs on."""
+    kind: str
+    keywords: dict = field(default_factory=dict)
+    lrs: tuple[float, ...] = LRS
+    tasks: tuple[str, ...] = ("resnet", "gpt2")
+
+    def build(self, params, lr: float) -> torch.optim.Optimizer:
+        if self.kind == "adamw":
+            return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=1e-4)
+        if self.kind == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-4)
+        return DistributedShampoo(params, lr=lr, **self.keywords)
+
+
+OPTIMIZERS = {
+    "AdamW": Optimizer("adamw"),
+    "SGD + Nesterov": Optimizer("sgd", lrs=(0.03, 0.1, 0.3), tasks=("resnet",)),
+    "Shampoo (Adam grafting)": Optimizer("shampoo", SHAMPOO),
+    "SOAP (eigenvalue-corrected)": Optimizer("shampoo", SOAP),
+    "KL-Shampoo (Adam grafting)": Optimizer("shampoo", dict(SHAMPOO, preconditioner="kl_shampoo")),
+    "4-bit Shampoo (statistics every 2)": Optimizer(
+        "shampoo", dict(SHAMPOO, quantization="4bit", statistics_frequency=2)),
+}
+BASE = "Shampoo (Adam grafting)"
+
+# One change at a time against BASE, at BASE's swept learning rate.
+ABLATIONS = {
+    "precondition_frequency 1": dict(precondition_frequency=1),
+    "precondition_frequency 100": dict(precondition_frequency=100),
+    "grafting rmsprop": dict(grafting="rmsprop"),
+    "grafting sgd": dict(grafting="sgd"),
+    "grafting none": dict(grafting=None),
+    "max_preconditioner_dim 32": dict(max_preconditioner_dim=32),
+    "max_preconditioner_dim 512": dict(max_preconditioner_dim=512),
+    # ε as SOAP's: the correction divides by √D + ε, where Shampoo's 1e-12 is too small
+    "eigenvalue correction on (ε 1e-8)": dict(preconditioner="eigenvalue_corrected", epsilon=1e-8),
+    "staggered refresh": dict(refresh_schedule="staggered"),
+}
+
+
+# ------------------------------------------------------------------------------- tasks
+@dataclass
+class Task:
+    """A model factory, a batch sampler (fixed by the seed), a loss and an evaluation."""
+    name: str
+    title: str
+    model: Callable[[int], nn.Module]
+    batches: Callable[[int, int], list]
+    loss: Callable[[nn.Module, object], torch.Tensor]
+    evaluate: Callable[[nn.Module], dict[str, float]]
+    metric: str  # the evaluation entry shown first
+
+
+def resnet_task(args) -> Task:
+    x, y, xt, yt, classes = image_dataset(args.image_dataset, args.image_size)
+
+    def batches(seed: int, steps: int) -> list:
+        g = torch.Generator().manual_seed(seed + 1)
+        return [torch.randint(0, len(y), (args.batch_size,), generator=g) for _ in range(steps)]
+
+    def loss(model, index):
+        return nn.functional.cross_entropy(model(x[index]), y[index])
+
+    def evaluate(model) -> dict[str, float]:
+        model.eval()
+        with torch.no_grad():
+            logits = model(xt)
+        model.train()
+        return {"test acc": (logits.argmax(1) == yt).float().mean().item(),
+                "test loss": nn.functional.cross_entropy(logits, yt).item()}
+
+    source = args.image_dataset or f"scikit-learn digits ({len(y)} train / {len(yt)} test)"
+    return Task("resnet", f"timm ResNet (BasicBlock ×4, widths 16-128, "
+                f"{sum(p.numel() for p in make_resnet(0, classes).parameters()) / 1e6:.2f}M "
+                f"parameters) on {source}, {args.image_size}×{args.image_size}, "
+                f"batch {args.batch_size}",
+                lambda seed: make_resnet(seed, classes), batches, loss, evaluate, "test acc")
+
+
+def gpt2_task(args) -> Task:
+    train_tokens, val_tokens = text_tokens(args.text_dataset)
+    val_starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, args.val_windows).long()
+    val_batch = windows_of(val_tokens, val_starts)
+
+    def batches(seed: int, steps: int) -> list:
+        g = torch.Generator().manual_seed(seed + 1)
+        return [torch.randint(0, len(train_tokens) - CONTEXT, (args.text_batch_size,),
+                              generator=g) for _ in range(steps)]
+
+    def loss(model, starts):
+        batch = windows_of(train_tokens, starts)
+        return model(input_ids=batch, labels=batch).loss
+
+    def evaluate(model) -> dict[str, float]:
+        with torch.no_grad():
+            return {"val loss": model(input_ids=val_batch, labels=val_batch).loss.item()}
+
+    source = args.text_dataset or "Python's standard-library sources"
+    return Task("gpt2", f"GPT-2 (2 layers, 128 wide, byte-level, context {CONTEXT}) on "
+                f"{source}, batch {args.text_batch_size}", make_gpt2, batches, loss, evaluate,
+                "val loss")
+
+
+# --------------------------------------------------------------------------- training
+def warmup_cosine(steps: int) -> Callable[[int], float]:
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return factor
+
+
+def train(task: Task, optimizer: Optimizer, lr: float, seed: int, steps: int) -> dict:
+    """One run: training losses and cumulative CPU seconds per step, final metrics. A
+    non-finite loss ends the run (``diverged``)."""
+    model = task.model(seed)
+    opt = optimizer.build(model.parameters(), lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
+    losses, seconds = [], []
+    start = time.process_time()
+    for batch in task.batches(seed, steps):
+        loss = task.loss(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        value = loss.item()
+        if not math.isfinite(value):
+            return dict(lr=lr, seed=seed, losses=losses, seconds=seconds, metrics={},
+                        diverged=True)
+        opt.step()
+        schedule.step()
+        losses.append(value)
+        seconds.append(time.process_time() - start)
+    return dict(lr=lr, seed=seed, losses=losses, seconds=seconds,
+                metrics=task.evaluate(model), diverged=False)
+
+
+def tail_loss(run: dict, steps: int) -> float:
+    """Mean training loss over the last 20 % of steps; inf for a diverged run."""
+    if run["diverged"]:
+        return math.inf
+    return statistics.mean(run["losses"][-max(1, steps // 5):])
+
+
+def smooth(values: list[float], width: int) -> list[float]:
+    """Trailing moving average (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= width:
+            total -= values[i - width]
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_task(task: Task, args) -> dict:
+    """Sweep, seeds and ablations for one task; returns the JSON-ready record."""
+    record = dict(task=task.name, title=task.title, metric=task.metric, steps=args.steps,
+                  sweep={}, chosen={}, runs={}, ablations={})
+    for name, optimizer in OPTIMIZERS.items():
+        if args.base_lr is not None:
+            break  # ablations only, at the given learning rate
+        if task.name not in optimizer.tasks or (args.optimizers and name not in args.optimizers):
+            continue
+        lrs = optimizer.lrs[: args.lr_points] if args.lr_points else optimizer.lrs
+        sweep = {}
+        for lr in lrs:
+            sweep[lr] = train(task, optimizer, lr, 0, args.steps)
+            log(f"{task.name} | {name} | lr {lr:g} | tail loss "
+                f"{tail_loss(sweep[lr], args.steps):.4f}")
+        best = min(lrs, key=lambda lr: tail_loss(sweep[lr], args.steps))
+        runs = [sweep[best]] + [train(task, optimizer, best, seed, args.steps)
+                                for seed in range(1, args.seeds)]
+        record["sweep"][name] = {f"{lr:g}": tail_loss(run, args.steps) for lr, run in sweep.items()}
+        record["chosen"][name] = best
+        record["runs"][name] = runs
+    if task.name in args.ablation_tasks and (BASE in record["chosen"] or args.base_lr):
+        lr = args.base_lr or record["chosen"][BASE]
+        record["ablation_lr"] = lr
+        for name, change in ABLATIONS.items():
+            optimizer = Optimizer("shampoo", dict(SHAMPOO, **change))
+            record["ablations"][name] = [train(task, optimizer, lr, seed, args.steps)
+                                         for seed in range(args.ablation_seeds)]
+            log(f"{task.name} | ablation {name} | tail loss "
+                f"{tail_loss(record['ablations'][name][0], args.steps):.4f}")
+    return record
+
+
+# ---------------------------------------------------------------------------- reports
+def spread(values: list[float]) -> str:
+    """mean ± half the range."""
+    if not values:
+        return "–"
+    return f"{statistics.mean(values):.3f} ± {(max(values) - min(values)) / 2:.3f}"
+
+
+def to_target(run: dict, target: float, width: int) -> tuple[int | None, float | None]:
+    """(steps, seconds) until the smoothed training loss first reaches ``target``."""
+    for i, value in enumerate(smooth(run["losses"], width)):
+        if value <= target:
+            return i + 1, run["seconds"][i]
+    return None, None
+
+
+def target_cells(runs: list[dict], target: float, width: int) -> tuple[str, str]:
+    reached = [to_target(r, target, width) for r in runs]
+    hits = [(s, t) for s, t in reached if s is not None]
+    if not hits:
+        return "not reached", "not reached"
+    note = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)} seeds)"
+    return (f"{statistics.mean(s for s, _ in hits):.0f}{note}",
+            f"{statistics.mean(t for _, t in hits):.1f}{note}")
+
+
+def rows(record: dict, groups: dict[str, list[dict]], target: float, width: int,
+         lrs: dict[str, str]) -> list[str]:
+    steps = record["steps"]
+    metric_names = sorted({m for runs in groups.values() for r in runs for m in r["metrics"]},
+                          key=lambda m: m != record["metric"])
+    head = ["optimizer", "lr", "final train loss", *metric_names,
+            f"steps to {target:.3f}", "seconds to it", "s / step"]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for name, runs in groups.items():
+        ok = [r for r in runs if not r["diverged"]]
+        diverged = len(runs) - len(ok)
+        finals = [tail_loss(r, steps) for r in ok]
+        metrics = [spread([r["metrics"][m] for r in ok]) for m in metric_names]
+        steps_to, seconds_to = target_cells(ok, target, width) if ok else ("–", "–")
+        per_step = (f"{statistics.mean(r['seconds'][-1] / len(r['seconds']) for r in ok):.3f}"
+                    if ok else "–")
+        final = spread(finals) + (f" ({diverged} diverged)" if diverged else "")
+        out.append("| " + " | ".join([name, lrs.get(name, "–"), final, *metrics, steps_to,
+                                       seconds_to, per_step]) + " |")
+    return out
+
+
+def target_of(record: dict, args) -> float:
+    """``--target`` if given, else AdamW's final training loss (mean over seeds): steps to
+    target then read "how soon does each optimizer reach what AdamW reaches"."""
+    if args.target is not None:
+        return args.target
+    groups = record["runs"] or record["ablations"]
+    runs = groups.get("AdamW") or next(iter(groups.values()))
+    return statistics.mean(tail_loss(r, record["steps"]) for r in runs)
+
+
+def report(record: dict, args) -> str:
+    width = max(1, record["steps"] // 20)
+    target = target_of(record, args)
+    seeds = len(next(iter((record["runs"] or record["ablations"]).values())))
+    lines = [f"#### {record['title']}", "",
+             f"{record['steps']} steps, learning rate swept on seed 0, then {seeds} seeds "
+             f"(mean ± half the range). Target: "
+             f"{'AdamW' if args.target is None and 'AdamW' in record['runs'] else 'given'} "
+             f"final training loss {target:.3f} (training loss smoothed over {width} "
+             f"steps).", ""]
+    lrs = {}
+    for name, sweep in record["sweep"].items():
+        chosen = f"{record['chosen'][name]:g}"
+        grid = sorted(float(lr) for lr in sweep)
+        edge = " (grid edge)" if float(chosen) in (grid[0], grid[-1]) and len(grid) > 1 else ""
+        lrs[name] = f"{chosen}{edge}"
+    if record["runs"]:
+        lines += rows(record, record["runs"], target, width, lrs)
+    lines += ["", "Learning-rate sweep (seed 0; mean training loss over the last 20 % of "
+              "steps; inf: diverged):", "", "| optimizer | learning rate: tail loss |",
+              "|---|---|"]
+    for name, sweep in record["sweep"].items():
+        lines.append(f"| {name} | " + ", ".join(f"{lr}: {v:.4f}" for lr, v in sweep.items())
+                     + " |")
+    if record["ablations"]:
+        base_lr = f"{record['ablation_lr']:g}"
+        lines += ["", f"Ablations of {BASE} at lr {base_lr}, one change each "
+                  f"({len(next(iter(record['ablations'].values())))} seeds):", ""]
+        groups = dict(record["ablations"])
+        lrs = {name: base_lr for name in groups}
+        if BASE in record["runs"]:
+            groups = {f"{BASE} (base)": record["runs"][BASE], **groups}
+            lrs[f"{BASE} (base)"] = f"{record['chosen'][BASE]:g}"
+        lines += rows(record, groups, target, width, lrs)
+    return "\n".join(lines)
+
+
+def plot(record: dict, out_dir: str, args) -> list[str]:
+    """Loss against step and against seconds (mean over seeds, band min-max) for the
+    optimizers, and against step for the ablations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = max(1, record["steps"] // 20)
+    paths = []
+
+    def draw(ax, runs, label, x_of):
+        curves = [smooth(r["losses"], width) for r in runs if not r["diverged"]]
+        if not curves:
+            return
+        n = min(len(c) for c in curves)
+        mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
+        low = [min(c[i] for c in curves) for i in range(n)]
+        high = [max(c[i] for c in curves) for i in range(n)]
+        xs = x_of([r for r in runs if not r["diverged"]], n)
+        (line,) = ax.plot(xs, mean, label=label, linewidth=1.4)
+        ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+
+    by_step = lambda runs, n: list(range(1, n + 1))  # noqa: E731
+    by_time = lambda runs, n: [statistics.mean(r["seconds"][i] for r in runs)  # noqa: E731
+                               for i in range(n)]
+    if not record["runs"]:
+        return plot_ablations(record, out_dir, draw, by_step, width)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, runs in record["runs"].items():
+        draw(axes[0], runs, f"{name}, lr {record['chosen'][name]:g}", by_step)
+        draw(axes[1], runs, name, by_time)
+    for ax, xlabel in zip(axes, ("step", "CPU seconds (one thread)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"training loss (smoothed over {width} steps)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(record["title"], fontsize=9)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, f"ablation_{record['task']}.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths + plot_ablations(record, out_dir, draw, by_step, width)
+
+
+def plot_ablations(record: dict, out_dir: str, draw, by_step, width: int) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    paths = []
+    if record["ablations"]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        if BASE in record["runs"]:
+            draw(ax, record["runs"][BASE], f"{BASE} (base)", by_step)
+        for name, runs in record["ablations"].items():
+            draw(ax, runs, name, by_step)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (smoothed over {width} steps)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title(f"{record['task']}: ablations of {BASE}", fontsize=9)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, f"ablation_{record['task']}_variants.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
+    """The records of several JSON files, those of one task merged (later files add
+    optimizers and ablations), and the files' headers."""
+    by_task: dict[str, dict] = {}
+    headers = []
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        headers.append(saved["header"])
+        for record in saved["records"]:
+            record["chosen"] = {k: float(v) for k, v in record["chosen"].items()}
+            into = by_task.setdefault(record["task"], record)
+            if into is not record:
+                for key in ("sweep", "chosen", "runs", "ablations"):
+                    into[key].update(record[key])
+                if "ablation_lr" in record:
+                    into["ablation_lr"] = record["ablation_lr"]
+    return list(by_task.values()), headers
+
+
+# ------------------------------------------------------------------------------- main
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=["resnet", "gpt2"],
+                        choices=["resnet", "gpt2"])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--ablation-seeds", type=int, default=3)
+    parser.add_argument("--ablation-tasks", nargs="*", default=["resnet"],
+                        choices=["resnet", "gpt2"], help="tasks that run the ablations")
+    parser.add_argument("--optimizers", nargs="*", default=None,
+                        help=f"only these (names: {', '.join(OPTIMIZERS)})")
+    parser.add_argument("--lr-points", type=int, default=None,
+                        help="use only the first N values of each learning-rate grid")
+    parser.add_argument("--batch-size", type=int, default=64, help="ResNet batch")
+    parser.add_argument("--text-batch-size", type=int, default=16, help="GPT-2 batch")
+    parser.add_argument("--image-size", type=int, default=16)
+    parser.add_argument("--val-windows", type=int, default=128)
+    parser.add_argument("--image-dataset", default=None,
+                        help="Hugging Face dataset (name or save_to_disk directory) with "
+                             "image and label columns, instead of digits")
+    parser.add_argument("--text-dataset", default=None,
+                        help="Hugging Face dataset (name or save_to_disk directory) with a "
+                             "text column, instead of the standard-library sources")
+    parser.add_argument("--target", type=float, default=None,
+                        help="training loss for 'steps to target' (default: AdamW's final)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="directory for the JSON and the plots "
+                        "(default outputs/ablation, or outputs/ablation-smoke)")
+    parser.add_argument("--base-lr", type=float, default=None,
+                        help=f"run only the ablations, at this learning rate of {BASE!r} "
+                             "(to split a long run over processes; merge with --replot)")
+    parser.add_argument("--replot", nargs="+", default=None, metavar="JSON",
+                        help="redraw the plots and reprint the tables of earlier runs; the "
+                             "records of one task in several files are merged")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the whole pipeline at toy size (about a minute): 20 steps, "
+                             "2 learning rates, 2 seeds, 1 ablation seed, small batches")
+    args = parser.parse_args(argv)
+    unknown = set(args.optimizers or ()) - set(OPTIMIZERS)
+    if unknown:
+        parser.error(f"--optimizers: unknown {sorted(unknown)}; choose from {list(OPTIMIZERS)}")
+    if args.smoke:
+        args.steps, args.seeds, args.ablation_seeds, args.lr_points = 20, 2, 1, 2
+        args.batch_size, args.text_batch_size, args.val_windows = 16, 4, 16
+    if args.out is None:
+        args.out = os.path.join("outputs", "ablation-smoke" if args.smoke else "ablation")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.replot:
+        records, headers = merge(args.replot)
+        header = "\n".join(headers)
+    else:
+        torch.set_num_threads(args.threads)
+        header = (f"`{' '.join(['python', *sys.argv])}`; {hardware()}; time is CPU time "
+                  f"of the one-thread process")
+        records = []
+        builders = {"resnet": resnet_task, "gpt2": gpt2_task}
+        for name in args.tasks:
+            records.append(run_task(builders[name](args), args))
+        with open(os.path.join(args.out, "ablation.json"), "w") as f:
+            json.dump({"header": header, "records": records}, f)
+    print(header + "\n")
+    for record in records:
+        print(report(record, args) + "\n", flush=True)
+        for path in plot(record, args.out, args):
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
