@@ -40,7 +40,7 @@ Rules, by the fence's language tag:
   fails the test.
 
 Also checked: every relative link (and ``#anchor``, by GitHub's heading slugs) of these
-files resolves. The runs that start two processes under torchrun are marked ``slow``.
+files, BENCHMARKS.md and the folders' README.md files resolves. The runs that start two processes under torchrun are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -487,7 +487,7 @@ def anchors(path: Path) -> set[str]:
 
 def test_relative_links_resolve():
     broken = []
-    for path in DOC_FILES:
+    for path in [*DOC_FILES, REPO / "BENCHMARKS.md", *sorted(REPO.glob("*/README.md"))]:
         text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target):
