@@ -3,10 +3,11 @@
 Rules, by the fence's language tag:
 
 - ``python``: executed. The blocks of one file run in order in one namespace (like doctest
-  globals: a later block may use names from an earlier one), in one subprocess per file,
-  with ``OMP_NUM_THREADS=1``, offline (``HF_HUB_OFFLINE=1``), in a temporary working
-  directory (so ``output_dir="out"`` and the like land there) and with this checkout first
-  on ``PYTHONPATH``. A block whose first line is a comment naming
+  globals: a later block may use names from an earlier one), in a fresh process per file
+  (forked from a server that has only imported torch, see ``FORK_SERVER``), with
+  ``OMP_NUM_THREADS=1``, offline (``HF_HUB_OFFLINE=1``), in a temporary working directory
+  (so ``output_dir="out"`` and the like land there) and with this checkout first on
+  ``PYTHONPATH``. A block whose first line is a comment naming
   ``torchrun --nproc_per_node N`` is a whole script that only makes sense under a launcher:
   it runs alone, written to a file, under ``python -m torch.distributed.run --standalone
   --nproc_per_node N`` (its code must pick gloo and a "cpu" mesh). No python block is
@@ -24,7 +25,7 @@ Rules, by the fence's language tag:
     its ``--help``; the launchers' own flags appear in ``torchrun --help`` /
     ``accelerate launch --help``. After a launcher, the script is the first word ending in
     ``.py`` or the word after ``-m``; words between are launcher flags and their values.
-    All ``--help`` texts are collected in one subprocess (each script run by ``runpy`` with
+    All ``--help`` texts are collected in one process (each script run by ``runpy`` with
     ``sys.argv = [script, "--help"]``) to pay for the imports once.
   - Scripts that are not in this repository are allowed only by name, from
     ``EXTERNAL_SCRIPTS``: transformers' ``run_clm.py`` and ``-m my_package.train`` (flags
@@ -40,7 +41,8 @@ Rules, by the fence's language tag:
   fails the test.
 
 Also checked: every relative link (and ``#anchor``, by GitHub's heading slugs) of these
-files, BENCHMARKS.md and the folders' README.md files resolves. The runs that start two processes under torchrun are marked ``slow``.
+files, BENCHMARKS.md and the folders' README.md files resolves. The runs that start two
+processes under torchrun are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -322,14 +324,87 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+# Runs each job in a child forked from an interpreter that has imported torch and
+# torch._dynamo (which the first optimizer loads): ~5 s that every file would pay again.
+# Nothing else is imported first, so the blocks import hf_shampoo, transformers and timm in
+# their own order, as a reader's script does.
+FORK_SERVER = r"""
+import json, os, signal, sys, time, traceback
+
+import torch
+import torch._dynamo
+
+def run(job):
+    os.chdir(job["cwd"])
+    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.argv = job["argv"]
+    try:
+        exec(compile(job["source"], job["argv"][0], "exec"), {"__name__": "__main__"})
+        return 0
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = run(job)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + job["timeout"]
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    print(json.dumps(os.waitstatus_to_exitcode(done[1])), flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
-def help_texts(tmp_path_factory) -> dict[str, str]:
-    """``--help`` of every program the docs' commands name, from one subprocess."""
+def fork_server(tmp_path_factory):
+    """``run(source, argv, cwd, timeout) -> (exit code, output)`` in a fresh forked process."""
+    home = tmp_path_factory.mktemp("fork_server")
+    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], cwd=home,
+                              env=subprocess_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline() == "ready\n", "the fork server did not start"
+    jobs = iter(range(10**6))
+
+    def run(source: str, argv: list[str], cwd: Path, timeout: int) -> tuple[int, str]:
+        log = home / f"job{next(jobs)}.log"
+        job = dict(source=source, argv=argv, cwd=str(cwd), log=str(log), timeout=timeout)
+        server.stdin.write(json.dumps(job) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        assert answer, "the fork server died"
+        code = json.loads(answer)
+        output = log.read_text() if log.exists() else ""
+        return code, output + (f"\n(killed after {timeout} s)" if code == -9 else "")
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def help_texts(fork_server, tmp_path_factory) -> dict[str, str]:
+    """``--help`` of every program the docs' commands name, from one process."""
     programs = sorted({c.name for _, _, line in SHELL_COMMANDS for c in checks_for(line)
                        if c.kind == "program" and c.name != EXTERNAL_SCRIPTS["train.py"]})
     out = tmp_path_factory.mktemp("help") / "help.json"
-    subprocess.run([sys.executable, "-c", HELP_COLLECTOR, json.dumps(programs), str(out)],
-                   cwd=REPO, env=subprocess_env(), check=True, timeout=180)
+    code, output = fork_server(HELP_COLLECTOR, ["<help collector>", json.dumps(programs),
+                                                str(out)], cwd=REPO, timeout=180)
+    assert code == 0, output[-6000:]
     helps = json.loads(out.read_text())
     helps[EXTERNAL_SCRIPTS["train.py"]] = TIMM_TRAIN_FLAGS
     return helps
@@ -425,25 +500,19 @@ LAUNCHER_BLOCKS = [b for b in ALL_BLOCKS if b.lang == "python" and is_launcher_s
 SLOW_FILES: set[str] = set()  # names of files whose blocks take over ~20 s (none: at most 14 s)
 
 
-def run_python(args: list[str], cwd: Path, timeout: int, what: str) -> None:
-    result = subprocess.run([sys.executable, *args], cwd=cwd, env=subprocess_env(),
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{what} failed:\n{result.stdout[-3000:]}\n" \
-                                   f"{result.stderr[-6000:]}"
-
-
 @pytest.mark.parametrize("path", [
     pytest.param(p, marks=[pytest.mark.slow] if rel(p) in SLOW_FILES else [],
                  id=rel(p)) for p in PYTHON_FILES])
-def test_python_blocks_run(path, tmp_path):
-    """The file's python blocks, in order, in one namespace, in a fresh interpreter."""
+def test_python_blocks_run(path, tmp_path, fork_server):
+    """The file's python blocks, in order, in one namespace, in a fresh process."""
     blocks = [{"path": str(b.path), "line": b.line, "code": b.code}
               for b in python_blocks(path) if not is_launcher_script(b)]
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     work = tmp_path / "work"
     work.mkdir()
-    run_python(["-c", PYTHON_DRIVER, str(tmp_path / "blocks.json")], cwd=work, timeout=90,
-               what=rel(path))
+    code, output = fork_server(PYTHON_DRIVER, ["<docs driver>", str(tmp_path / "blocks.json")],
+                               cwd=work, timeout=90)
+    assert code == 0, f"{rel(path)} failed:\n{output[-8000:]}"
 
 
 @pytest.mark.slow  # two processes under torchrun: 14-17 s on two busy cores
@@ -453,8 +522,12 @@ def test_launcher_scripts_run(block, tmp_path):
     nproc = TORCHRUN_MARK.match(block.code.split("\n", 1)[0]).group(1)
     script = tmp_path / "snippet.py"
     script.write_text("\n" * (block.line - 1) + block.code)
-    run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
-                str(script)], cwd=tmp_path, timeout=120, what=block.where)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         nproc, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+        text=True, timeout=120)
+    assert result.returncode == 0, f"{block.where} failed:\n{result.stdout[-3000:]}\n" \
+                                   f"{result.stderr[-6000:]}"
 
 
 def test_every_python_block_is_run():
