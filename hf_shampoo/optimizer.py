@@ -61,8 +61,9 @@ class Layout:
 class DistributedShampoo(torch.optim.Optimizer):
     """Shampoo with Kronecker-factored blocks, grafting and data-parallel distribution.
 
-    Every keyword may also be set per parameter group. See README.md for a guide and
-    ``../shared/SPEC.md`` for the exact algorithm.
+    Every keyword may also be set per parameter group. See docs/hyperparameters.md for a
+    guide, docs/keywords.md for every keyword and ``../shared/SPEC.md`` for the exact
+    algorithm.
     """
 
     def __init__(

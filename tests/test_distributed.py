@@ -182,7 +182,8 @@ def test_ddp_mode_without_process_group_is_refused():
 
 @pytest.mark.slow
 def test_ddp_example_launches_with_torchrun():
-    """The README's 2-process launch line runs and ends with identical ranks."""
+    """docs/distributed.md's 2-process launch line runs (with fewer steps) and ends with
+    identical ranks."""
     import subprocess
     import sys
 

@@ -98,7 +98,7 @@ def test_create_optimizer_v2_groups_weight_decay_and_diagonal_vectors():
             vector = is_vector_like(p)
             assert group["weight_decay"] == (0.0 if vector else 0.05), names[id(p)]
             assert group["preconditioner"] == ("diagonal" if vector else "shampoo"), names[id(p)]
-        # the AdamW migration (README), with decoupled decay as timm passes it
+        # the AdamW migration (docs/hyperparameters.md), with decoupled decay as timm passes it
         assert group["betas"] == (0.9, 0.999) and group["epsilon"] == 1e-12
         assert group["grafting"] == "adam" and group["grafting_beta2"] == 0.999
         assert group["grafting_epsilon"] == 1e-8 and group["weight_decay_type"] == "decoupled"

@@ -5,7 +5,8 @@ model, opt="shampoo")`` and timm's ``train.py --device-modules hf_shampoo --opt 
 a ``DistributedShampoo`` from timm's parameter groups: no weight decay on biases and norms,
 layer-decay ``lr_scale`` honoured, and biases / norm weights (tensors with at most one dim
 larger than 1) preconditioned by the grafting method alone (``preconditioner="diagonal"``).
-Defaults are the AdamW migration of the README. timm itself is imported only when needed.
+Defaults are the AdamW migration (docs/hyperparameters.md); docs/timm.md is the user guide.
+timm itself is imported only when needed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ TIMM_OPTIMIZER_NAMES = ("shampoo", "soap", "klshampoo")
 MIN_TIMM_VERSION = "1.0.12"
 _FACTORY_MODULE = "timm.optim._optim_factory"
 
-# AdamW's defaults in torch and timm; the migration keeps them (README "Migrating from AdamW").
+# AdamW's defaults in torch and timm; the migration keeps them (docs/hyperparameters.md,
+# "Migrating from AdamW").
 ADAMW_LR = 1e-3
 ADAMW_BETAS = (0.9, 0.999)
 ADAMW_EPS = 1e-8

@@ -45,7 +45,8 @@ _MEMBER_NAME = "DISTRIBUTED_SHAMPOO"
 MIN_TRANSFORMERS_VERSION = "4.46.0"
 MAX_TRANSFORMERS_VERSION = "6.0.0"  # exclusive
 
-# Fine-tuning defaults (hundreds to tens of thousands of steps), see docs / README:
+# Fine-tuning defaults (hundreds to tens of thousands of steps), see docs/transformers.md
+# ("What TrainingArguments become"):
 # - precondition_frequency=50: the root inverses cost O(d^3) per block; every 50 steps this
 #   is a few percent of the step time, and a 300-step run still refreshes 6 times.
 # - start_preconditioning_step=None (= 50): Adam steps (the grafting method) until the
