@@ -15,8 +15,10 @@ by name or a ``save_to_disk`` directory instead):
 Optimizers: AdamW, SGD with Nesterov momentum (ResNet only), Shampoo with Adam grafting,
 eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo. Every run uses a linear
 warm-up over the first 5 % of steps and a cosine decay to zero. The learning rate of each
-optimizer is the grid value with the lowest mean training loss over the last 20 % of steps
-(seed 0); the test/validation data play no part in the choice.
+optimizer is the value with the lowest mean training loss over the last 20 % of steps
+(seed 0) among a grid (1e-3, 3e-3, 1e-2; SGD 0.03, 0.1, 0.3) extended along the 1-3-10
+ladder while the best value is at its edge (``--max-lr-points``); the test/validation data
+play no part in the choice.
 
 Ablations (Shampoo, its swept learning rate): ``precondition_frequency`` 1 / 10 / 100,
 grafting (Adam, RMSprop, SGD, none), ``max_preconditioner_dim`` 32 / 128 / 512,
@@ -223,6 +225,21 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def extend(sweep: dict[float, dict], steps: int) -> list[float]:
+    """The next learning rate on the 1-3-10 ladder beyond the grid's edge where the best
+    tail loss lies ([] when the best is inside the grid): the sweep ends with an interior
+    optimum unless it runs out of points."""
+    ordered = sorted(sweep)
+    best = min(ordered, key=lambda lr: tail_loss(sweep[lr], steps))
+    if len(ordered) < 2 or ordered[0] < best < ordered[-1]:
+        return []
+    exponent = math.floor(math.log10(best) + 1e-9)
+    leading = round(best / 10**exponent)  # 1 or 3
+    if best == ordered[0]:
+        return [(0.3 if leading == 1 else 1.0) * 10**exponent]
+    return [(3.0 if leading == 1 else 10.0) * 10**exponent]
+
+
 def run_task(task: Task, args) -> dict:
     """Sweep, seeds and ablations for one task; returns the JSON-ready record."""
     record = dict(task=task.name, title=task.title, metric=task.metric, steps=args.steps,
@@ -232,13 +249,16 @@ def run_task(task: Task, args) -> dict:
             break  # ablations only, at the given learning rate
         if task.name not in optimizer.tasks or (args.optimizers and name not in args.optimizers):
             continue
-        lrs = optimizer.lrs[: args.lr_points] if args.lr_points else optimizer.lrs
+        lrs = list(optimizer.lrs[: args.lr_points] if args.lr_points else optimizer.lrs)
         sweep = {}
-        for lr in lrs:
+        while lrs:
+            lr = lrs.pop(0)
             sweep[lr] = train(task, optimizer, lr, 0, args.steps)
             log(f"{task.name} | {name} | lr {lr:g} | tail loss "
                 f"{tail_loss(sweep[lr], args.steps):.4f}")
-        best = min(lrs, key=lambda lr: tail_loss(sweep[lr], args.steps))
+            if not lrs and len(sweep) < args.max_lr_points:
+                lrs = extend(sweep, args.steps)
+        best = min(sweep, key=lambda lr: tail_loss(sweep[lr], args.steps))
         runs = [sweep[best]] + [train(task, optimizer, best, seed, args.steps)
                                 for seed in range(1, args.seeds)]
         record["sweep"][name] = {f"{lr:g}": tail_loss(run, args.steps) for lr, run in sweep.items()}
@@ -328,7 +348,7 @@ def report(record: dict, args) -> str:
     for name, sweep in record["sweep"].items():
         chosen = f"{record['chosen'][name]:g}"
         grid = sorted(float(lr) for lr in sweep)
-        edge = " (grid edge)" if float(chosen) in (grid[0], grid[-1]) and len(grid) > 1 else ""
+        edge = " (sweep edge)" if float(chosen) in (grid[0], grid[-1]) and len(grid) > 1 else ""
         lrs[name] = f"{chosen}{edge}"
     if record["runs"]:
         lines += rows(record, record["runs"], target, width, lrs)
@@ -453,7 +473,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--optimizers", nargs="*", default=None,
                         help=f"only these (names: {', '.join(OPTIMIZERS)})")
     parser.add_argument("--lr-points", type=int, default=None,
-                        help="use only the first N values of each learning-rate grid")
+                        help="start from only the first N values of each learning-rate grid")
+    parser.add_argument("--max-lr-points", type=int, default=5,
+                        help="while the best learning rate is at an edge of those tried, the "
+                             "sweep adds the next value on the 1-3-10 ladder beyond it, up "
+                             "to this many runs")
     parser.add_argument("--batch-size", type=int, default=64, help="ResNet batch")
     parser.add_argument("--text-batch-size", type=int, default=16, help="GPT-2 batch")
     parser.add_argument("--image-size", type=int, default=16)
@@ -484,6 +508,7 @@ def parse(argv=None) -> argparse.Namespace:
         parser.error(f"--optimizers: unknown {sorted(unknown)}; choose from {list(OPTIMIZERS)}")
     if args.smoke:
         args.steps, args.seeds, args.ablation_seeds, args.lr_points = 20, 2, 1, 2
+        args.max_lr_points = 2
         args.batch_size, args.text_batch_size, args.val_windows = 16, 4, 16
     if args.out is None:
         args.out = os.path.join("outputs", "ablation-smoke" if args.smoke else "ablation")
