@@ -266,11 +266,15 @@ def run_task(task: Task, args) -> dict:
         record["runs"][name] = runs
     if task.name in args.ablation_tasks and (BASE in record["chosen"] or args.base_lr):
         lr = args.base_lr or record["chosen"][BASE]
-        record["ablation_lr"] = lr
+        record["ablation_lrs"] = {}
         for name, change in ABLATIONS.items():
+            if args.ablations and name not in args.ablations:
+                continue
             optimizer = Optimizer("shampoo", dict(SHAMPOO, **change))
+            name += args.ablation_suffix
             record["ablations"][name] = [train(task, optimizer, lr, seed, args.steps)
                                          for seed in range(args.ablation_seeds)]
+            record["ablation_lrs"][name] = lr
             log(f"{task.name} | ablation {name} | tail loss "
                 f"{tail_loss(record['ablations'][name][0], args.steps):.4f}")
     return record
@@ -359,16 +363,22 @@ def report(record: dict, args) -> str:
         lines.append(f"| {name} | " + ", ".join(f"{lr}: {v:.4f}" for lr, v in sweep.items())
                      + " |")
     if record["ablations"]:
-        base_lr = f"{record['ablation_lr']:g}"
-        lines += ["", f"Ablations of {BASE} at lr {base_lr}, one change each "
+        lrs = ablation_lrs(record)
+        lines += ["", f"Ablations of {BASE}, one change each "
                   f"({len(next(iter(record['ablations'].values())))} seeds):", ""]
         groups = dict(record["ablations"])
-        lrs = {name: base_lr for name in groups}
         if BASE in record["runs"]:
             groups = {f"{BASE} (base)": record["runs"][BASE], **groups}
             lrs[f"{BASE} (base)"] = f"{record['chosen'][BASE]:g}"
         lines += rows(record, groups, target, width, lrs)
     return "\n".join(lines)
+
+
+def ablation_lrs(record: dict) -> dict[str, str]:
+    """Each ablation's learning rate (files before per-ablation rates: one for all)."""
+    lrs = record.get("ablation_lrs") or {name: record["ablation_lr"]
+                                         for name in record["ablations"]}
+    return {name: f"{lr:g}" for name, lr in lrs.items()}
 
 
 def plot(record: dict, out_dir: str, args) -> list[str]:
@@ -452,11 +462,12 @@ def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
         for record in saved["records"]:
             record["chosen"] = {k: float(v) for k, v in record["chosen"].items()}
             into = by_task.setdefault(record["task"], record)
+            if "ablation_lrs" not in record and record["ablations"]:
+                record["ablation_lrs"] = {n: record["ablation_lr"] for n in record["ablations"]}
+            record.setdefault("ablation_lrs", {})
             if into is not record:
-                for key in ("sweep", "chosen", "runs", "ablations"):
+                for key in ("sweep", "chosen", "runs", "ablations", "ablation_lrs"):
                     into[key].update(record[key])
-                if "ablation_lr" in record:
-                    into["ablation_lr"] = record["ablation_lr"]
     return list(by_task.values()), headers
 
 
@@ -496,6 +507,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--base-lr", type=float, default=None,
                         help=f"run only the ablations, at this learning rate of {BASE!r} "
                              "(to split a long run over processes; merge with --replot)")
+    parser.add_argument("--ablations", nargs="*", default=None,
+                        help=f"only these ablations (names: {', '.join(ABLATIONS)})")
+    parser.add_argument("--ablation-suffix", default="",
+                        help="appended to the ablations' names (e.g. ' at lr 0.1', to keep "
+                             "them apart from the same ablation at another rate on merging)")
     parser.add_argument("--replot", nargs="+", default=None, metavar="JSON",
                         help="redraw the plots and reprint the tables of earlier runs; the "
                              "records of one task in several files are merged")
@@ -503,9 +519,11 @@ def parse(argv=None) -> argparse.Namespace:
                         help="the whole pipeline at toy size (about a minute): 20 steps, "
                              "2 learning rates, 2 seeds, 1 ablation seed, small batches")
     args = parser.parse_args(argv)
-    unknown = set(args.optimizers or ()) - set(OPTIMIZERS)
-    if unknown:
-        parser.error(f"--optimizers: unknown {sorted(unknown)}; choose from {list(OPTIMIZERS)}")
+    for option, names, known in (("--optimizers", args.optimizers, OPTIMIZERS),
+                                 ("--ablations", args.ablations, ABLATIONS)):
+        unknown = set(names or ()) - set(known)
+        if unknown:
+            parser.error(f"{option}: unknown {sorted(unknown)}; choose from {list(known)}")
     if args.smoke:
         args.steps, args.seeds, args.ablation_seeds, args.lr_points = 20, 2, 1, 2
         args.max_lr_points = 2

@@ -84,9 +84,13 @@ def test_ablations_split_over_processes_merge(tmp_path):
     assert os.path.getsize(tmp_path / "c" / "ablation_gpt2_variants.png") > 10_000
 
 
-def test_bad_optimizer_name_is_refused():
+def test_bad_optimizer_or_ablation_name_is_refused(capsys):
     with pytest.raises(SystemExit):
         ablation.parse(["--optimizers", "Adam"])
+    assert "--optimizers: unknown ['Adam']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ablation.parse(["--ablations", "grafting adamw"])
+    assert "--ablations: unknown ['grafting adamw']" in capsys.readouterr().err
 
 
 def test_hugging_face_datasets_from_disk_match_the_bundled_data(tmp_path):
