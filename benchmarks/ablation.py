@@ -285,7 +285,10 @@ def spread(values: list[float]) -> str:
     """mean ± half the range."""
     if not values:
         return "–"
-    return f"{statistics.mean(values):.3f} ± {(max(values) - min(values)) / 2:.3f}"
+    mean, half = statistics.mean(values), (max(values) - min(values)) / 2
+    if abs(mean) >= 1000:
+        return f"{mean:.2g} ± {half:.2g}"
+    return f"{mean:.3f} ± {half:.3f}"
 
 
 def to_target(run: dict, target: float, width: int) -> tuple[int | None, float | None]:
@@ -427,27 +430,55 @@ def plot(record: dict, out_dir: str, args) -> list[str]:
     return paths + plot_ablations(record, out_dir, draw, by_step, width)
 
 
+FAMILIES = ("precondition_frequency", "grafting", "max_preconditioner_dim")
+
+
 def plot_ablations(record: dict, out_dir: str, draw, by_step, width: int) -> list[str]:
+    """One panel per family of ablations (the rows whose name starts with the family's
+    keyword; the rest share the last panel), each with the base run. Runs that leave the
+    base run's range are clipped and marked "off scale"."""
     import matplotlib.pyplot as plt
 
-    paths = []
-    if record["ablations"]:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        if BASE in record["runs"]:
-            draw(ax, record["runs"][BASE], f"{BASE} (base)", by_step)
-        for name, runs in record["ablations"].items():
-            draw(ax, runs, name, by_step)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"training loss (smoothed over {width} steps)")
+    if not record["ablations"]:
+        return []
+    panels: dict[str, list[str]] = {f: [] for f in FAMILIES}
+    panels["eigenvalue correction, refresh schedule"] = []
+    for name in record["ablations"]:
+        family = next((f for f in FAMILIES if name.startswith(f)), None)
+        panels[family or "eigenvalue correction, refresh schedule"].append(name)
+    panels = {k: v for k, v in panels.items() if v}
+    base = record["runs"].get(BASE, [])
+    start = max((r["losses"][0] for runs in record["ablations"].values() for r in runs
+                 if r["losses"]), default=1.0)
+    top = 2.0 * start
+    columns = 2 if len(panels) > 1 else 1
+    rows_ = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows_, columns, figsize=(6 * columns, 4 * rows_), squeeze=False)
+    in_range = [min(smooth(r["losses"], width)) for runs in [base, *record["ablations"].values()]
+                for r in runs if r["losses"] and not r["diverged"] and max(r["losses"]) <= top]
+    bottom = 0.5 * min(in_range, default=top / 1000)
+    for ax, (family, names) in zip(axes.flat, panels.items()):
         ax.set_yscale("log")
+        if base:
+            draw(ax, base, f"{BASE} (base)", by_step)
+        for name in names:
+            runs = record["ablations"][name]
+            off = any(r["diverged"] or max(r["losses"]) > top for r in runs)
+            draw(ax, runs, name + (" (off scale)" if off else ""), by_step)
+        ax.set_ylim(bottom, top)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (smoothed, {width} steps)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-        ax.set_title(f"{record['task']}: ablations of {BASE}", fontsize=9)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, f"ablation_{record['task']}_variants.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
+        ax.set_title(family, fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"{record['task']}: ablations of {BASE}, one change each", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"ablation_{record['task']}_variants.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
