@@ -481,6 +481,11 @@ def plot_ablations(record: dict, out_dir: str, draw, by_step, width: int) -> lis
     return [path]
 
 
+def ablation_rank(name: str) -> int:
+    """Position in ``ABLATIONS`` of the ablation a row name starts with."""
+    return next((i for i, a in enumerate(ABLATIONS) if name.startswith(a)), len(ABLATIONS))
+
+
 def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
     """The records of several JSON files, those of one task merged (later files add
     optimizers and ablations), and the files' headers."""
@@ -499,6 +504,9 @@ def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
             if into is not record:
                 for key in ("sweep", "chosen", "runs", "ablations", "ablation_lrs"):
                     into[key].update(record[key])
+    for record in by_task.values():  # rows of one ablation next to each other
+        record["ablations"] = dict(sorted(record["ablations"].items(),
+                                          key=lambda item: ablation_rank(item[0])))
     return list(by_task.values()), headers
 
 
