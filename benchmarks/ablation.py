@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -474,6 +475,9 @@ def plot_ablations(record: dict, out_dir: str, draw, by_step, width: int) -> lis
             draw(ax, base, f"{BASE} (base)", by_step)
         for name in names:
             runs = record["ablations"][name]
+            if all(r["diverged"] for r in runs):
+                ax.plot([], [], label=f"{name} (diverged)")
+                continue
             off = any(r["diverged"] or max(r["losses"]) > top for r in runs)
             draw(ax, runs, name + (" (off scale)" if off else ""), by_step)
         ax.set_ylim(bottom, top)
@@ -490,6 +494,18 @@ def plot_ablations(record: dict, out_dir: str, draw, by_step, width: int) -> lis
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+def compact(value):
+    """``value`` with every float rounded to 6 significant digits (the JSON stays small;
+    the tables print at most 4)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [compact(v) for v in value]
+    return value
 
 
 def ablation_rank(name: str) -> int:
@@ -593,12 +609,13 @@ def main(argv=None) -> None:
         header = "\n".join(headers)
     else:
         torch.set_num_threads(args.threads)
-        header = (f"`{' '.join(['python', *sys.argv])}`; {hardware()}; time is CPU time "
+        header = (f"`{shlex.join(['python', *sys.argv])}`; {hardware()}; time is CPU time "
                   f"of the one-thread process")
         records = []
         builders = {"resnet": resnet_task, "gpt2": gpt2_task}
         for name in args.tasks:
             records.append(run_task(builders[name](args), args))
+        records = compact(records)  # the tables are those of the saved JSON
         with open(os.path.join(args.out, "ablation.json"), "w") as f:
             json.dump({"header": header, "records": records}, f)
     print(header + "\n")
