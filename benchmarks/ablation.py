@@ -28,7 +28,7 @@ Time is the process's CPU time with one thread (``time.process_time``), which eq
 wall-clock time on an idle core and is not inflated by other work on the machine.
 
     python benchmarks/ablation.py                       # the full run (about an hour here)
-    python benchmarks/ablation.py --smoke               # the whole pipeline in about a minute
+    python benchmarks/ablation.py --smoke               # the whole pipeline, toy size: 1.5 minutes
     python benchmarks/ablation.py --replot outputs/ablation/ablation.json
 """
 
@@ -584,7 +584,7 @@ def parse(argv=None) -> argparse.Namespace:
                         help="redraw the plots and reprint the tables of earlier runs; the "
                              "records of one task in several files are merged")
     parser.add_argument("--smoke", action="store_true",
-                        help="the whole pipeline at toy size (about a minute): 20 steps, "
+                        help="the whole pipeline at toy size (1.5 minutes on one core): 20 steps, "
                              "2 learning rates, 2 seeds, 1 ablation seed, small batches")
     args = parser.parse_args(argv)
     for option, names, known in (("--optimizers", args.optimizers, OPTIMIZERS),
