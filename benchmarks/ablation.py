@@ -28,7 +28,7 @@ Time is the process's CPU time with one thread (``time.process_time``), which eq
 wall-clock time on an idle core and is not inflated by other work on the machine.
 
     python benchmarks/ablation.py                       # the full run (about an hour here)
-    python benchmarks/ablation.py --smoke               # the whole pipeline, toy size: 1.5 minutes
+    python benchmarks/ablation.py --smoke               # the whole pipeline at toy size, about a minute
     python benchmarks/ablation.py --replot outputs/ablation/ablation.json
 """
 
@@ -169,8 +169,9 @@ def gpt2_task(args) -> Task:
             return {"val loss": model(input_ids=val_batch, labels=val_batch).loss.item()}
 
     source = args.text_dataset or "Python's standard-library sources"
-    return Task("gpt2", f"GPT-2 (2 layers, 128 wide, byte-level, context {CONTEXT}) on "
-                f"{source}, batch {args.text_batch_size}", make_gpt2, batches, loss, evaluate,
+    return Task("gpt2", f"GPT-2 (2 layers, {args.gpt2_width} wide, byte-level, context "
+                f"{CONTEXT}) on {source}, batch {args.text_batch_size}",
+                lambda seed: make_gpt2(seed, n_embd=args.gpt2_width), batches, loss, evaluate,
                 "val loss")
 
 
@@ -560,6 +561,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="ResNet batch")
     parser.add_argument("--text-batch-size", type=int, default=16, help="GPT-2 batch")
     parser.add_argument("--image-size", type=int, default=16)
+    parser.add_argument("--gpt2-width", type=int, default=128, help="GPT-2's n_embd")
     parser.add_argument("--val-windows", type=int, default=128)
     parser.add_argument("--image-dataset", default=None,
                         help="Hugging Face dataset (name or save_to_disk directory) with "
@@ -584,8 +586,9 @@ def parse(argv=None) -> argparse.Namespace:
                         help="redraw the plots and reprint the tables of earlier runs; the "
                              "records of one task in several files are merged")
     parser.add_argument("--smoke", action="store_true",
-                        help="the whole pipeline at toy size (1.5 minutes on one core): 20 steps, "
-                             "2 learning rates, 2 seeds, 1 ablation seed, small batches")
+                        help="the whole pipeline at toy size (about a minute on one core): "
+                             "20 steps, 2 learning rates, 2 seeds, 1 ablation seed, small "
+                             "batches, a 64-wide GPT-2")
     args = parser.parse_args(argv)
     for option, names, known in (("--optimizers", args.optimizers, OPTIMIZERS),
                                  ("--ablations", args.ablations, ABLATIONS)):
@@ -596,6 +599,7 @@ def parse(argv=None) -> argparse.Namespace:
         args.steps, args.seeds, args.ablation_seeds, args.lr_points = 20, 2, 1, 2
         args.max_lr_points = 2
         args.batch_size, args.text_batch_size, args.val_windows = 16, 4, 16
+        args.gpt2_width = 64
     if args.out is None:
         args.out = os.path.join("outputs", "ablation-smoke" if args.smoke else "ablation")
     return args
