@@ -28,7 +28,7 @@ Time is the process's CPU time with one thread (``time.process_time``), which eq
 wall-clock time on an idle core and is not inflated by other work on the machine.
 
     python benchmarks/ablation.py                       # the full run (about an hour here)
-    python benchmarks/ablation.py --smoke               # the whole pipeline at toy size, about a minute
+    python benchmarks/ablation.py --smoke               # toy size, about a minute
     python benchmarks/ablation.py --replot outputs/ablation/ablation.json
 """
 
@@ -251,7 +251,7 @@ def extend(sweep: dict[float, dict], steps: int) -> list[float]:
 def run_task(task: Task, args) -> dict:
     """Sweep, seeds and ablations for one task; returns the JSON-ready record."""
     record = dict(task=task.name, title=task.title, metric=task.metric, steps=args.steps,
-                  sweep={}, chosen={}, runs={}, ablations={})
+                  sweep={}, chosen={}, runs={}, ablations={}, ablation_lrs={})
     for name, optimizer in OPTIMIZERS.items():
         if args.base_lr is not None:
             break  # ablations only, at the given learning rate
@@ -279,7 +279,6 @@ def run_task(task: Task, args) -> dict:
         record["runs"][name] = runs
     if task.name in args.ablation_tasks and (BASE in record["chosen"] or args.base_lr):
         lr = args.base_lr or record["chosen"][BASE]
-        record["ablation_lrs"] = {}
         for name, change in ABLATIONS.items():
             if args.ablations and name not in args.ablations:
                 continue
@@ -391,10 +390,8 @@ def report(record: dict, args) -> str:
 
 
 def ablation_lrs(record: dict) -> dict[str, str]:
-    """Each ablation's learning rate (files before per-ablation rates: one for all)."""
-    lrs = record.get("ablation_lrs") or {name: record["ablation_lr"]
-                                         for name in record["ablations"]}
-    return {name: f"{lr:g}" for name, lr in lrs.items()}
+    """Each ablation's learning rate, as printed."""
+    return {name: f"{lr:g}" for name, lr in record["ablation_lrs"].items()}
 
 
 def plot(record: dict, out_dir: str, args) -> list[str]:
@@ -524,11 +521,7 @@ def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
             saved = json.load(f)
         headers.append(saved["header"])
         for record in saved["records"]:
-            record["chosen"] = {k: float(v) for k, v in record["chosen"].items()}
             into = by_task.setdefault(record["task"], record)
-            if "ablation_lrs" not in record and record["ablations"]:
-                record["ablation_lrs"] = {n: record["ablation_lr"] for n in record["ablations"]}
-            record.setdefault("ablation_lrs", {})
             if into is not record:
                 for key in ("sweep", "chosen", "runs", "ablations", "ablation_lrs"):
                     into[key].update(record[key])
