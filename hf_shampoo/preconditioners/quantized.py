@@ -54,10 +54,18 @@ class QuantizedFactors:
     def state_shapes(self, stack, group: dict) -> dict:
         """The kind's 32-bit state for the small factors, and the quantised factors'."""
         shapes = super().state_shapes(stack, group)
+        shapes.update(self.vector_and_matrix_shapes(stack, group, "factor_eigenvalues_{}",
+                                                    "factor_eigenvectors_{}"))
+        return shapes
+
+    def vector_and_matrix_shapes(self, stack, group: dict, vector: str, matrix: str) -> dict:
+        """For each quantised dim ``j`` of size ``d``: a float32 ``d``-vector named
+        ``vector.format(j)`` and a 4-bit ``d × d`` matrix named ``matrix.format(j)``."""
+        shapes = {}
         for j in self.quantized_dims(stack, group):
             d = stack.shape[j]
-            shapes[f"factor_eigenvalues_{j}"] = ((d,), torch.float32)
-            shapes.update(quantization.state_shapes(f"factor_eigenvectors_{j}", d, d))
+            shapes[vector.format(j)] = ((d,), torch.float32)
+            shapes.update(quantization.state_shapes(matrix.format(j), d, d))
         return shapes
 
     def initial_state(self, name, shape, dtype, n, device) -> Tensor:
@@ -212,11 +220,10 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
     name = "shampoo"
 
     def state_shapes(self, stack, group: dict) -> dict:
+        """Also the roots: a float32 diagonal and a 4-bit off-diagonal."""
         shapes = super().state_shapes(stack, group)
-        for j in self.quantized_dims(stack, group):
-            d = stack.shape[j]
-            shapes[f"inverse_root_{j}_diagonal"] = ((d,), torch.float32)
-            shapes.update(quantization.state_shapes(f"inverse_root_{j}", d, d))
+        shapes.update(self.vector_and_matrix_shapes(stack, group, "inverse_root_{}_diagonal",
+                                                    "inverse_root_{}"))
         return shapes
 
     def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
