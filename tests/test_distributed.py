@@ -180,25 +180,6 @@ def test_ddp_mode_without_process_group_is_refused():
         DistributedShampoo([torch.nn.Parameter(torch.ones(2))], distributed="ddp")
 
 
-@pytest.mark.slow
-def test_ddp_example_launches_with_torchrun():
-    """docs/distributed.md's 2-process launch line runs (with fewer steps) and ends with
-    identical ranks."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "examples/ddp_train.py", "--steps", "12", "--precondition-frequency", "4"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "world 2:" in result.stdout
-    assert "ranks hold identical parameters: True" in result.stdout
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_non_finite_factor_stops_every_rank_and_moves_nothing(runs, world):
     messages = [r["nan"] for r in runs[world]]

@@ -34,7 +34,8 @@ Rules, by the fence's language tag:
     it; in the launcher examples ``train.py`` is the reader's own script and has no flags).
 
   Any other command fails the test (teach it the new command). Commands in ``RUN_COMMANDS``
-  are cheap as written and are also run, from the repository root.
+  are cheap as written and are also run, from the repository root, and their output is
+  checked (the DDP example must end with identical ranks).
 - untyped blocks: commands if any line starts with one of the commands above (then checked
   as a ``bash`` block), otherwise output or a diagram (e.g. a ``describe()`` table, the
   package layout) and ignored. ``text`` blocks are always ignored. Any other language tag
@@ -80,9 +81,11 @@ EXTERNAL_SCRIPTS = {
     "train.py": "train.py (timm's, or the reader's own)",
 }
 # Doc commands that finish in seconds as written: run them (file name, exact command).
+# (file, command) -> lines its output must contain
 RUN_COMMANDS = {
     ("docs/distributed.md",
-     "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 examples/ddp_train.py"),
+     "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 examples/ddp_train.py"):
+        ("world 2:", "ranks hold identical parameters: True"),
 }
 
 
@@ -470,6 +473,9 @@ def test_cheap_command_runs(where, command):
                             timeout=120)
     assert result.returncode == 0, f"{where}: {command}\n{result.stdout[-2000:]}\n" \
                                    f"{result.stderr[-4000:]}"
+    for expected in RUN_COMMANDS[where, command]:
+        assert expected in result.stdout, f"{where}: {command}: no {expected!r}\n" \
+                                          f"{result.stdout[-2000:]}"
 
 
 # ---------------------------------------------------------------- python blocks
