@@ -12,8 +12,29 @@ from tests.reference_shampoo import ReferenceShampoo
 F64 = torch.float64
 
 
+def _test_device() -> torch.device:
+    name = os.environ.get("HF_SHAMPOO_TEST_DEVICE", "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"HF_SHAMPOO_TEST_DEVICE={name!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"HF_SHAMPOO_TEST_DEVICE={name!r}, but torch sees no CUDA device")
+    return device
+
+
+TEST_DEVICE = _test_device()  # tests/conftest.py: which tests run there
+
+
+def generator(seed: int) -> torch.Generator:
+    """A seeded generator on the test device (the same numbers as before on CPU)."""
+    return torch.Generator(device=TEST_DEVICE).manual_seed(seed)
+
+
 def random_tensors(shape, count, seed, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     return [scale * torch.randn(shape, generator=gen, dtype=F64) for _ in range(count)]
 
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
+from tests.helpers import generator
 
 SHAPES = {"w": (5, 4), "conv": (3, 2, 2, 2), "b": (5,), "s": ()}
 
 
 def make_params(shapes=SHAPES, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     return {
         name: torch.nn.Parameter(torch.randn(shape, generator=gen))
         for name, shape in shapes.items()
@@ -20,7 +21,7 @@ def make_params(shapes=SHAPES, seed=0):
 
 
 def grads_for(params, step):
-    gen = torch.Generator().manual_seed(1000 + step)
+    gen = generator(1000 + step)
     return {name: torch.randn(p.shape, generator=gen) for name, p in params.items()}
 
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, linalg
+from tests.helpers import generator
 
 
 def _spd(n, d, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(n, d, 2 * d, generator=g, dtype=dtype)
     return x @ x.mT / (2 * d)
 
@@ -117,7 +118,7 @@ def _train(steps=6, shape=(6, 4), **kw):
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(*shape, dtype=torch.float64))
     opt = DistributedShampoo([w], factor_matrix_dtype=torch.float64, **kw)
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     for _ in range(steps):
         w.grad = torch.randn(*shape, generator=g, dtype=torch.float64)
         opt.step()
@@ -154,7 +155,7 @@ def test_tolerance_one_never_refreshes_after_first_basis():
                   preconditioner="eigenvalue_corrected")
     _, opt = _train(steps=2, eigenbasis_tolerance=1.0, **common)
     first = opt.state_dict()["state"][0]["block_0.eigenvectors_0"].clone()
-    g = torch.Generator().manual_seed(5)
+    g = generator(5)
     w = opt.param_groups[0]["params"][0]
     for _ in range(4):
         w.grad = torch.randn(6, 4, generator=g, dtype=torch.float64)
@@ -186,7 +187,7 @@ def test_eigh_failures_keep_previous_root_then_raise(monkeypatch):
 # --------------------------------------------------------- matmul-based orthogonalisation
 def _with_condition(n, d, condition, dtype, seed=0):
     """Square matrices ``U diag(s) Vᵀ`` with singular values from 1 down to 1/condition."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     u = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))[0]
     v = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))[0]
     s = torch.logspace(0, -math.log10(condition), d, dtype=torch.float64)
@@ -263,7 +264,7 @@ def test_direct_qr_algorithm_equals_metas_rotated_frame(method, iterations, tole
     rotated-frame QR algorithm, also when matrices stop at different iterations."""
     a = _spd(4, 12, seed=5)
     a[3] = torch.diag(torch.arange(1.0, 13.0, dtype=torch.float64))  # diagonal: no iteration
-    start = torch.linalg.qr(torch.randn(4, 12, 12, generator=torch.Generator().manual_seed(2),
+    start = torch.linalg.qr(torch.randn(4, 12, 12, generator=generator(2),
                                         dtype=torch.float64))[0]
     start[3] = torch.eye(12, dtype=torch.float64)
     basis, values = _rotated_frame_qr_algorithm(a, start, iterations, tolerance)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
-from tests.helpers import F64, random_tensors
+from tests.helpers import F64, generator, random_tensors
 from tests.reference_shampoo import ReferenceShampoo
 
 CONFIG = {
@@ -115,7 +115,7 @@ def test_param_without_grad_is_skipped(preconditioner):
 
 @pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
 def test_nan_gradient_at_refresh_raises_and_changes_nothing(preconditioner):
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(0)
     named = [
         ("encoder.w_first", torch.nn.Parameter(torch.randn(4, 3, generator=gen))),
         ("decoder.w_second", torch.nn.Parameter(torch.randn(5, generator=gen))),
@@ -177,7 +177,7 @@ def test_nan_gradient_at_refresh_raises_and_changes_nothing(preconditioner):
     ],
 )
 def test_tiny_regression_loss_decreases(config):
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(0)
     x = torch.randn(64, 6, generator=gen)
     w_true = torch.randn(6, 3, generator=gen)
     y = x @ w_true + 0.01 * torch.randn(64, 3, generator=gen)

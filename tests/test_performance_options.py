@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, kronecker, linalg
-from tests.helpers import F64, random_tensors
+from tests.helpers import F64, generator, random_tensors
 from tests.reference_shampoo import ReferenceShampoo
 
 # ------------------------------------------------------------ refresh_schedule
@@ -97,7 +97,7 @@ def test_staggered_refreshes_spread_over_the_window():
         calls.extend(m.shape[0] for m in stacks)
         return real(stacks, *args, **kw)
 
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     per_step = []
     linalg.batched_eigh_many = counting
     try:
@@ -118,7 +118,7 @@ def test_staggered_refreshes_spread_over_the_window():
 
 @pytest.mark.parametrize(("d", "k"), [(300, 520), (257, 600), (600, 512), (64, 900)])
 def test_syrk_equals_full_product(d, k):
-    g = torch.Generator().manual_seed(d)
+    g = generator(d)
     x = torch.randn(3, d, k, generator=g, dtype=F64)
     f = torch.randn(3, d, d, generator=g, dtype=F64)
     f = f + f.mT
@@ -134,7 +134,7 @@ def test_syrk_equals_full_product(d, k):
 
 def test_syrk_of_a_matrix_does_not_depend_on_its_batch():
     """Distributed runs batch blocks differently; each block's result must be the same."""
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     x = torch.randn(5, 600, 520, generator=g)
     together = linalg.syrk(torch.zeros(5, 600, 600), x)
     for i in range(5):
@@ -143,7 +143,7 @@ def test_syrk_of_a_matrix_does_not_depend_on_its_batch():
 
 
 def test_inverse_root_large_enough_for_the_blocked_product():
-    g = torch.Generator().manual_seed(2)
+    g = generator(2)
     x = torch.randn(2, 520, 600, generator=g, dtype=F64)
     a = x @ x.mT / 600
     values, vectors = torch.linalg.eigh(a)
@@ -156,14 +156,14 @@ def test_inverse_root_large_enough_for_the_blocked_product():
 
 
 def test_one_matmul_criterion_agrees_with_explicit_rotation():
-    g = torch.Generator().manual_seed(3)
+    g = generator(3)
     n, d = 12, 40
     x = torch.randn(n, d, 3 * d, generator=g)
     a = x @ x.mT / (3 * d)
     _, exact = torch.linalg.eigh(a)
     # perturb each basis by a rotation of growing angle: ratios from ~0 to large
-    generator = torch.randn(d, d, generator=g)
-    skew = generator - generator.mT
+    direction = torch.randn(d, d, generator=g)
+    skew = direction - direction.mT
     bases = torch.stack([exact[i] @ torch.linalg.matrix_exp(0.02 * i * skew) for i in range(n)])
     _, ratio = linalg.off_diagonal_ratio(a, bases)
     for tolerance in (0.0, 0.01, 0.05, float(ratio[5]), 0.3):
@@ -184,7 +184,7 @@ def test_one_matmul_criterion_agrees_with_explicit_rotation():
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("skip", [None, 0, 1])
 def test_multi_mode_product_into_buffers(shape, transpose, skip):
-    g = torch.Generator().manual_seed(4)
+    g = generator(4)
     x = torch.randn(2, *shape, generator=g, dtype=F64)
     mats = [torch.randn(2, d, d, generator=g, dtype=F64) for d in shape]
     if skip is not None and skip < len(shape):
@@ -201,7 +201,7 @@ def test_multi_mode_product_into_buffers(shape, transpose, skip):
 
 @pytest.mark.parametrize("shape", [(3, 4, 5), (2, 3, 2, 2)])
 def test_factor_update_of_middle_dims_uses_scratch(shape):
-    g = torch.Generator().manual_seed(5)
+    g = generator(5)
     x = torch.randn(2, *shape, generator=g, dtype=F64)
     scratch = torch.empty_like(x)
     for j, d in enumerate(shape):
@@ -216,7 +216,7 @@ def test_factor_update_of_middle_dims_uses_scratch(shape):
 
 def test_lapack_results_do_not_depend_on_batch_with_several_threads():
     """With several threads each matrix is decomposed single-threaded, in any batch."""
-    g = torch.Generator().manual_seed(6)
+    g = generator(6)
     x = torch.randn(5, 40, 80, generator=g)
     a = x @ x.mT
     previous = torch.get_num_threads()
@@ -250,7 +250,7 @@ def test_two_threads_match_one_thread_semantics(config):
     for threads in (1, 2):
         torch.set_num_threads(threads)
         try:
-            g = torch.Generator().manual_seed(7)
+            g = generator(7)
             params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
             opt = DistributedShampoo(params, lr=0.01, precondition_frequency=2,
                                      max_preconditioner_dim=64, **config)

@@ -8,6 +8,7 @@ import torch
 from hf_shampoo import DistributedShampoo, quantization
 from hf_shampoo.preconditioners.quantized import QuantizedShampoo
 from hf_shampoo.stack import BlockStack
+from tests.helpers import generator
 
 LEVELS = quantization.linear_square_levels(torch.float64)
 
@@ -27,7 +28,7 @@ def test_linear_square_code():
 def test_round_trip_error_within_the_code_bound(shape):
     """Every element within half the widest level gap of its 64-block's absmax; the block's
     absmax itself is exact; storage is 4 bits plus a float32 scale per 64 elements."""
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     x = torch.randn(*shape, generator=g) * torch.logspace(-3, 1, shape[-1])
     q = quantization.quantize(x)
     width = quantization.padded(shape[-1])
@@ -55,7 +56,7 @@ def test_identity_and_zeros_are_exact():
 
 
 def test_bjorck_restores_orthogonality_to_float32_precision():
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     u = torch.linalg.qr(torch.randn(2, 256, 256, generator=g, dtype=torch.float64))[0].float()
     v = quantization.dequantize(quantization.quantize(u.mT)).mT
     eye = torch.eye(256)
@@ -67,7 +68,7 @@ def test_bjorck_restores_orthogonality_to_float32_precision():
 
 
 def _spd_with_spectrum(d, values, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     u = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
     return (u * values) @ u.T, u
 
@@ -101,7 +102,7 @@ def _regression(quantization_kind, preconditioner="shampoo", steps=60, frequency
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(96, 80) * 0.1)
     b = torch.nn.Parameter(torch.zeros(80))
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     x, y = torch.randn(512, 96, generator=g), torch.randn(512, 80, generator=g)
     shampoo = preconditioner == "shampoo"
     config = dict(lr=3e-2 if shampoo else 3e-3, betas=(0.9, 0.999),
@@ -174,7 +175,7 @@ def test_checkpoint_round_trip_is_exact_and_weights_only(preconditioner):
     clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
     other = DistributedShampoo(clones, **{k: v for k, v in opt.defaults.items()})
     other.load_state_dict(state)
-    g = torch.Generator().manual_seed(5)
+    g = generator(5)
     for _ in range(11):  # across the next refreshes
         grads = [torch.randn(p.shape, generator=g) for p in params]
         for o, ps in ((opt, params), (other, clones)):

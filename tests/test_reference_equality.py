@@ -6,7 +6,7 @@ SPEC §1 (blocking), §2 (one step), §3 (eigenvalue correction, QR refresh).
 import pytest
 import torch
 
-from tests.helpers import F64, random_tensors, run_against_reference
+from tests.helpers import F64, generator, random_tensors, run_against_reference
 from tests.reference_shampoo import ReferenceShampoo
 
 # max_preconditioner_dim=8 keeps (4, 5)-like parameters 2-D (the default 1024 would merge them)
@@ -305,7 +305,7 @@ def test_eigenvalue_corrected_descending_variant(shape, config, expect):
 def _swapping_row_scales(n_steps: int = 8) -> list:
     """(4, 6) gradients whose row scales reverse at step 4: the row factor's eigenvalues
     swap order, so a QR refresh must reorder the basis."""
-    gen = torch.Generator().manual_seed(11)
+    gen = generator(11)
     grads = []
     for t in range(n_steps):
         scales = torch.tensor([3.0, 1.0, 0.3, 0.1], dtype=F64)
