@@ -18,17 +18,30 @@ import torch
 from hf_shampoo import linalg
 from hf_shampoo.distributed import Distributor, block_cost, greedy_assignment  # noqa: F401
 
+MODELS = ("resnet50", "gpt2", "gpt2-medium", "gpt2-tiny")
+
 
 def build_model(name: str) -> torch.nn.Module:
+    """``resnet50`` (timm), ``gpt2`` (small: 12 layers, 768 wide, 124M), ``gpt2-medium``
+    (24 layers, 1024 wide, 355M) and ``gpt2-tiny`` (2 layers, 64 wide: for tests)."""
     if name == "resnet50":
         import timm
 
         return timm.create_model("resnet50", pretrained=False)
-    if name == "gpt2":
+    if name in ("gpt2", "gpt2-medium", "gpt2-tiny"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config())  # GPT-2 small: 12 layers, 768 wide, 124M
-    raise ValueError(f"unknown model {name!r}; expected 'resnet50' or 'gpt2'")
+        sizes = {"gpt2": {}, "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
+                 "gpt2-tiny": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=512,
+                                   n_positions=64, bos_token_id=0, eos_token_id=0)}
+        return GPT2LMHeadModel(GPT2Config(**sizes[name]))
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on CPU): timings must include it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def parameters_with_grads(model: torch.nn.Module, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -39,11 +52,15 @@ def parameters_with_grads(model: torch.nn.Module, seed: int = 0) -> list[torch.n
     return params
 
 
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+def timed(fn: Callable[[], object], repeats: int, device: str | torch.device = "cpu"
+          ) -> list[float]:
+    """Seconds of each of ``repeats`` calls, the device's queued work included."""
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 

@@ -17,15 +17,27 @@ Figures:
   matrix, as in the issue);
 - FLOPs of hf_shampoo's steady step (``torch.utils.flop_counter``) and its GFLOP/s against
   the machine's fp32 matmul rate at the same shapes (the same matmuls replayed alone);
+- ``--staggered F``: per-step times on ``--model``'s shapes (fixed gradients, no counter
+  trick) with ``precondition_frequency = start_preconditioning_step = F``, for
+  ``refresh_schedule="all"`` and ``"staggered"``, over the window of F steps from step 2F
+  on, in which every block refreshes exactly once under either schedule: median, slowest
+  step and mean, and the mean against AdamW (fused) on the same shapes;
 - ``--real-run F``: per-step times of real ResNet-50 training runs on scikit-learn's
   digits (no counter tricks: the factors drift as in training) for eigh with
   ``refresh_schedule="all"`` and ``"staggered"`` (slowest step / median step) and for
   warm-started QR with each ``--qr-tolerance`` (refresh times, share refreshed).
 
+``--device cuda``: parameters, gradients and optimizer state on the GPU; every step is
+timed with CUDA events recorded around it (the step's queued kernels included, the host
+synchronised before each step so nothing earlier leaks in); the other figures synchronise
+before reading the clock. ``--model`` also takes ``gpt2-medium`` (355M) and ``gpt2-tiny``
+(the test suite's smoke run).
+
 Meta's implementation is never vendored: pass ``--meta-path`` (a checkout of
 facebookresearch/optimizers) or put it on PYTHONPATH.
 
     python benchmarks/step_time.py --meta-path ../optimizers --threads 2
+    python benchmarks/step_time.py --device cuda --model gpt2-medium --meta-path .meta
     python benchmarks/step_time.py --write BENCHMARKS.md   # replaces the marked section
 """
 
@@ -40,7 +52,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import StaleCounter, build_model, hardware, median, timed  # noqa: E402
+from common import (  # noqa: E402
+    MODELS,
+    StaleCounter,
+    build_model,
+    hardware,
+    median,
+    timed,
+)
 
 from hf_shampoo import DistributedShampoo, kronecker, linalg  # noqa: E402
 
@@ -63,9 +82,7 @@ class Runner:
     def step(self) -> float:
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        start = time.perf_counter()
-        self.optimizer.step()
-        return time.perf_counter() - start
+        return timed_once(self.optimizer.step, self.params[0].device)
 
     def set_step(self, t: int) -> None:
         self._set_step(t)
@@ -128,16 +145,14 @@ def factor_matrices(opt: DistributedShampoo) -> list[torch.Tensor]:
         bc2 = 1 - beta2**t
         for name, tensor in stack.state.items():
             if name.startswith("factor_matrix_"):
-                eye = torch.eye(tensor.shape[-1])
+                eye = torch.eye(tensor.shape[-1], device=tensor.device)
                 mats += [m / bc2 + group["epsilon"] * eye for m in tensor]
     return mats
 
 
 def eigh_seconds(mats: list[torch.Tensor]) -> float:
-    start = time.perf_counter()
-    for m in mats:
-        torch.linalg.eigh(m)
-    return time.perf_counter() - start
+    """One ``torch.linalg.eigh`` per matrix, one after the other."""
+    return timed_once(lambda: [torch.linalg.eigh(m) for m in mats], mats[0].device)
 
 
 def steady_flops(opt: DistributedShampoo) -> int:
@@ -173,31 +188,43 @@ def dense_flops(opt: DistributedShampoo) -> int:
     return total
 
 
-def square_matmul_rate(size: int = 2048, repeats: int = 5) -> float:
-    """GFLOP/s of one large square fp32 matmul (the machine's best case)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    out = torch.empty(size, size)
+def square_matmul_rate(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of one large square fp32 matmul (the machine's best case; 8192² on a GPU)."""
+    size = 8192 if device.type == "cuda" else size
+    a, b = (torch.randn(size, size, device=device) for _ in range(2))
+    out = torch.empty(size, size, device=device)
     torch.mm(a, b, out=out)
-    best = min(timed_once(lambda: torch.mm(a, b, out=out)) for _ in range(repeats))
+    best = min(timed_once(lambda: torch.mm(a, b, out=out), device) for _ in range(repeats))
     return 2 * size**3 / best / 1e9
 
 
-def timed_once(fn) -> float:
-    start = time.perf_counter()
+def timed_once(fn, device: torch.device | str = "cpu") -> float:
+    """Seconds of one call. On CUDA: events recorded around it on the current stream,
+    after a host synchronisation (earlier work is not counted), read once it is done."""
+    if torch.device(device).type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
     fn()
-    return time.perf_counter() - start
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
 
 
 def matmul_replay_seconds(opt: DistributedShampoo, repeats: int) -> float:
     """The steady step's matmuls alone (factor updates, preconditioning) on random data of
     the same shapes, through the same kernels: the machine's matmul time for this step."""
     cases = []
+    device = opt.param_groups[0]["params"][0].device
     for stack in opt._layout.owned:
         group = opt.param_groups[stack.group_index]
         n = len(stack.members)
-        grad = torch.randn(n, *stack.shape)
-        factors = [torch.zeros(n, d, d) for d in stack.shape]
-        roots = [torch.randn(n, d, d) for d in stack.shape]
+        grad = torch.randn(n, *stack.shape, device=device)
+        factors = [torch.zeros(n, d, d, device=device) for d in stack.shape]
+        roots = [torch.randn(n, d, d, device=device) for d in stack.shape]
         out, scratch, unfold = (torch.empty_like(grad) for _ in range(3))
         cases.append((group, grad, factors, roots, out, scratch, unfold))
 
@@ -208,10 +235,11 @@ def matmul_replay_seconds(opt: DistributedShampoo, repeats: int) -> float:
             kronecker.multi_mode_product(grad, roots, out=out, scratch=scratch)
 
     run()  # warm-up
-    return median(timed(run, repeats))
+    return median(timed(run, repeats, device))
 
 
-def real_run(frequency: int, steps: int, batch: int, **kw) -> tuple[list[float], float]:
+def real_run(frequency: int, steps: int, batch: int, device: torch.device | str = "cpu",
+             **kw) -> tuple[list[float], float]:
     """ResNet-50 trained on scikit-learn's digits (8×8 upsampled to 32×32, 3 channels):
     every step executed, so the factors drift as in training. Returns each optimizer
     step's seconds (forward / backward not included) and the share of factor matrices
@@ -222,8 +250,9 @@ def real_run(frequency: int, steps: int, batch: int, **kw) -> tuple[list[float],
     images = torch.tensor(digits.images, dtype=torch.float32).div(16).unsqueeze(1)
     images = torch.nn.functional.interpolate(images, size=32, mode="bilinear").repeat(1, 3, 1, 1)
     labels = torch.tensor(digits.target)
+    images, labels = images.to(device), labels.to(device)
     torch.manual_seed(0)
-    model = build_model("resnet50")
+    model = build_model("resnet50").to(device)
     opt = DistributedShampoo(model.parameters(), lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12,
                              grafting="adam", max_preconditioner_dim=1024,
                              precondition_frequency=frequency, distributed="none", **kw)
@@ -231,18 +260,20 @@ def real_run(frequency: int, steps: int, batch: int, **kw) -> tuple[list[float],
     times = []
     with StaleCounter() as counter:
         for _ in range(steps):
-            index = torch.randint(0, len(labels), (batch,), generator=g)
+            index = torch.randint(0, len(labels), (batch,), generator=g).to(device)
             loss = torch.nn.functional.cross_entropy(model(images[index]), labels[index])
             opt.zero_grad()
             loss.backward()
-            times.append(timed_once(opt.step))
+            times.append(timed_once(opt.step, device))
     return times, (counter.stale / counter.checked if counter.checked else float("nan"))
 
 
 # ----------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["resnet50", "gpt2"], default="resnet50")
+    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda or cuda:N (timed with CUDA events there)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="refreshes per implementation")
     parser.add_argument("--steady", type=int, default=4, help="steady steps per round")
@@ -260,6 +291,11 @@ def main() -> None:
                         help="also 4-bit Shampoo (and 4-bit SOAP with --soap)")
     parser.add_argument("--only-orthogonalization", action="store_true",
                         help="only the per-size cost table of the orthogonalisations")
+    parser.add_argument("--staggered", type=int, default=0, metavar="F",
+                        help="also time refresh_schedule all / staggered over a period of F "
+                             "steps on the model's shapes")
+    parser.add_argument("--only-staggered", action="store_true",
+                        help="skip the fixed-gradient comparison")
     parser.add_argument("--real-run", type=int, default=0, metavar="F",
                         help="also time real ResNet-50 training runs with precondition_frequency F")
     parser.add_argument("--batch-size", type=int, default=32, help="of the real runs")
@@ -267,15 +303,19 @@ def main() -> None:
                         help="skip the fixed-gradient comparison")
     parser.add_argument("--write", default=None, help="put the tables into this markdown file")
     args = parser.parse_args()
+    args.device = parse_device(parser, args.device)
     torch.set_num_threads(args.threads)
     if args.meta_path:
         sys.path.insert(0, os.path.abspath(args.meta_path))
     if args.only_orthogonalization:
         lines = orthogonalization_lines(args)
     else:
-        lines = [] if args.only_real_run else fixed_gradient_lines(args)
+        skip = args.only_real_run or args.only_staggered
+        lines = [] if skip else fixed_gradient_lines(args)
         if len(args.orthogonalization) > 1:
             lines += orthogonalization_lines(args)
+    if args.staggered:
+        lines += staggered_lines(args)
     if args.real_run:
         lines += real_run_lines(args)
     lines.append(f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
@@ -285,13 +325,26 @@ def main() -> None:
         write_section(args.write, text)
 
 
+def parse_device(parser, name: str) -> torch.device:
+    """``--device``, refused (with the valid values) before anything is built."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {name!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name!r}: torch sees no CUDA device")
+    return device
+
+
 def fixed_gradient_lines(args) -> list[str]:
     """hf_shampoo (eigh, QR), Meta's implementation and AdamW on fixed gradients."""
     torch.manual_seed(0)
-    model = build_model(args.model)
+    model = build_model(args.model).to(args.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(p.shape, generator=g) * 1e-2 for p in params]
+    g = torch.Generator().manual_seed(0)  # the same gradients on every device
+    grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(args.device) for p in params]
 
     def label(tolerance: float, method: str) -> str:
         return f"qr, τ={tolerance:g}" + ("" if method == "householder" else f", {method}")
@@ -341,7 +394,7 @@ def fixed_gradient_lines(args) -> list[str]:
     mats = factor_matrices(main_runner.optimizer)
     floor_eigh = eigh_seconds(mats)
     flops = steady_flops(main_runner.optimizer)
-    square = square_matmul_rate()
+    square = square_matmul_rate(args.device)
     replay = matmul_replay_seconds(main_runner.optimizer, 3)
     steady = median(main_runner.steady)
     meta_runners = [r for r in runners if r.name.startswith("Meta")]
@@ -367,7 +420,8 @@ def fixed_gradient_lines(args) -> list[str]:
     for m in meta_runners:
         ref_refresh = median(m.refresh + m.second_refresh)
         qr = "".join(f"; {r.name}: 2nd refresh {median(r.second_refresh) / ref_refresh:.2f}×"
-                     for r in runners[1:] if not r.name.startswith("Meta"))
+                     for r in runners[1:]
+                     if not r.name.startswith("Meta") and r.second_refresh)
         lines.append(f"- vs {m.name}: steady {steady / median(m.steady):.2f}×, "
                      f"eigh refresh {refresh / ref_refresh:.2f}×{qr}")
     dense = dense_flops(main_runner.optimizer)
@@ -391,7 +445,7 @@ def orthogonalization_lines(args) -> list[str]:
     Householder; batched products for the others), ``--threads`` threads; SPD matrices of
     the factors' sizes with condition number 1e6."""
     torch.manual_seed(0)
-    model = build_model(args.model)
+    model = build_model(args.model).to(args.device)
     sizes: dict[int, int] = {}
     opt = DistributedShampoo([p for p in model.parameters() if p.requires_grad],
                              max_preconditioner_dim=1024, distributed="none")
@@ -411,11 +465,11 @@ def orthogonalization_lines(args) -> list[str]:
              "|---|---|" + "---|" * len(methods)]
     totals = dict.fromkeys(methods, 0.0)
     for d in sorted(sizes, reverse=True):
-        a = _with_condition(sizes[d], d, 1e6)
+        a = _with_condition(sizes[d], d, 1e6).to(args.device)
         row = []
         for name, fn in methods.items():
             fn(a)  # warm-up
-            seconds = median(timed(lambda fn=fn, a=a: fn(a), 3))
+            seconds = median(timed(lambda fn=fn, a=a: fn(a), 3, args.device))
             totals[name] += seconds
             row.append(f"{seconds:.3f}")
         lines.append(f"| {d} | {sizes[d]} | " + " | ".join(row) + " |")
@@ -429,6 +483,36 @@ def _with_condition(n: int, d: int, condition: float) -> torch.Tensor:
     q = torch.linalg.qr(torch.randn(n, d, d, dtype=torch.float64))[0]
     values = torch.logspace(0, -math.log10(condition), d, dtype=torch.float64)
     return ((q * values.unsqueeze(-2)) @ q.mT).float()
+
+
+def staggered_lines(args) -> list[str]:
+    """Per-step times with every refresh at once against the staggered schedule."""
+    f = args.staggered
+    torch.manual_seed(0)
+    model = build_model(args.model).to(args.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(args.device) for p in params]
+    lines = ["", f"#### Refresh schedules over one period, {args.model} shapes", "",
+             f"Hardware: {hardware()}. precondition_frequency = start_preconditioning_step = "
+             f"{f}, fixed gradients; steps {2 * f}-{3 * f - 1} timed (every block refreshes "
+             f"once in them under either schedule; eigh refreshes).", "",
+             "| schedule | median step s | slowest step s | slowest / median | mean step s "
+             "| mean / AdamW (fused) |", "|---|---|---|---|---|---|"]
+    adam = adamw(params, grads, fused=True)
+    adam.step()
+    adam_mean = sum(adam.step() for _ in range(min(f, 20))) / min(f, 20)
+    for schedule in ("all", "staggered"):
+        runner = ours(params, grads, precondition_frequency=f, start_preconditioning_step=f,
+                      refresh_schedule=schedule)
+        times = [runner.step() for _ in range(3 * f - 1)][2 * f - 1:]
+        mean = sum(times) / len(times)
+        lines.append(f"| {schedule} | {median(times):.4f} | {max(times):.4f} | "
+                     f"{max(times) / median(times):.1f} | {mean:.4f} | {mean / adam_mean:.2f}× |")
+        print(lines[-1], file=sys.stderr)
+        del runner
+    lines.append(f"| torch.optim.AdamW (fused) | – | – | – | {adam_mean:.4f} | 1.00× |")
+    return lines
 
 
 def real_run_lines(args) -> list[str]:
@@ -448,7 +532,7 @@ def real_run_lines(args) -> list[str]:
     configs += [(f"qr τ={t:g}, all", {"eigendecomposition": "qr", "eigenbasis_tolerance": t})
                 for t in args.qr_tolerance]
     for name, kw in configs:
-        times, stale = real_run(f, steps, args.batch_size, **kw)
+        times, stale = real_run(f, steps, args.batch_size, args.device, **kw)
         window = times[f - 1:]
         share = "–" if stale != stale else f"{stale:.0%}"
         lines.append(f"| {name} | {median(window):.3f} | {max(window):.3f} | "
