@@ -7,6 +7,10 @@ with the plugin the Trainer would use; everything else is the Trainer's own code
 shards the model in ``prepare`` (swapping the optimizer's parameters for DTensors), saves
 with ``save_fsdp_optimizer`` and resumes with ``load_fsdp_optimizer``. A run saved at step 4
 and resumed must give the uninterrupted run's losses and parameters, bit for bit.
+
+With a third argument ``cuda`` (tests/test_gpu.py, ``torchrun --nproc_per_node 1`` on a
+GPU) nothing is switched: the Trainer enables FSDP2 itself, on NCCL, and the result also
+says which distributed type and device it used.
 """
 
 import json
@@ -23,20 +27,24 @@ import hf_shampoo  # noqa: F401 - registers optim="distributed_shampoo"
 
 def make_model():
     torch.manual_seed(0)
+    # eager attention: SDPA's fused backward kernels on a GPU may add in any order
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+                        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+                        attn_implementation="eager")
     return GPT2LMHeadModel(config)
 
 
-def trainer(output_dir: str, state_dict_type: str, data) -> Trainer:
+def trainer(output_dir: str, state_dict_type: str, data, device: str = "cpu") -> Trainer:
     args = TrainingArguments(
         output_dir=output_dir, optim="distributed_shampoo",
         optim_args="precondition_frequency=2,max_preconditioner_dim=16,weight_decay=0.01",
-        use_cpu=True, report_to=[], max_steps=8, save_steps=4, logging_steps=1,
+        use_cpu=device == "cpu", report_to=[], max_steps=8, save_steps=4, logging_steps=1,
         per_device_train_batch_size=4, learning_rate=1e-2, disable_tqdm=True, seed=7,
         fsdp=True, fsdp_config={"fsdp_version": 2, "state_dict_type": state_dict_type})
     t = Trainer(model=make_model(), args=args, train_dataset=data)
+    if device != "cpu":
+        return t  # the Trainer's own FSDP2 set-up, untouched
     t.accelerator.state.distributed_type = DistributedType.FSDP
     t.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, state_dict_type=state_dict_type, cpu_ram_efficient_loading=False)
@@ -49,16 +57,16 @@ def full_params(model):
             for p in model.parameters()]
 
 
-def main(out: str, state_dict_type: str) -> None:
+def main(out: str, state_dict_type: str, device: str = "cpu") -> None:
     starts = torch.randint(0, 64, (96, 1), generator=torch.Generator().manual_seed(1))
     ids = (starts + torch.arange(16)) % 64
     data = [{"input_ids": row, "labels": row} for row in ids]
-    a = trainer(os.path.join(out, "a"), state_dict_type, data)
+    a = trainer(os.path.join(out, "a"), state_dict_type, data, device)
     a.train()
     shampoo = getattr(a.optimizer, "optimizer", a.optimizer)
     losses_a = {h["step"]: h["loss"] for h in a.state.log_history if "loss" in h}
     params_a = full_params(a.model)
-    b = trainer(os.path.join(out, "b"), state_dict_type, data)
+    b = trainer(os.path.join(out, "b"), state_dict_type, data, device)
     b.train(resume_from_checkpoint=os.path.join(out, "a", "checkpoint-4"))
     losses_b = {h["step"]: h["loss"] for h in b.state.log_history if "loss" in h}
     params_b = full_params(b.model)
@@ -69,9 +77,16 @@ def main(out: str, state_dict_type: str) -> None:
                 "dtensor_params": sum(hasattr(p, "full_tensor") for p in a.model.parameters()),
                 "losses_a": losses_a, "losses_b": losses_b,
                 "params_equal": all(torch.equal(x, y) for x, y in zip(params_a, params_b)),
+                "distributed_type": str(a.accelerator.state.distributed_type),
+                "fsdp_version": getattr(a.accelerator.state.fsdp_plugin, "fsdp_version", None),
+                "param_devices": sorted({str(p.device) for p in a.model.parameters()}),
+                "backend": dist.get_backend(),
             }, f)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[3:4] == ["cuda"]:  # the same kernels in the same order in both runs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    main(*sys.argv[1:4])
