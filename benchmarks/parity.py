@@ -169,15 +169,21 @@ def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
     return out
 
 
-def run_case(case: Case, steps: int, seed: int = 0) -> float:
-    """The relative error of our parameters against Meta's after ``steps`` steps."""
+def run_case(case: Case, steps: int, seed: int = 0, device: str | None = None) -> float:
+    """The relative error of our parameters against Meta's after ``steps`` steps, both on
+    ``device`` (default: torch's default device; the numbers are drawn on the CPU)."""
     from distributed_shampoo import DistributedShampoo as MetaShampoo
 
     from hf_shampoo import DistributedShampoo
 
+    device = torch.get_default_device() if device is None else torch.device(device)
     g = torch.Generator().manual_seed(seed)
-    initial = [torch.randn(s, generator=g, dtype=F64) for s in SHAPES]
-    grads = [[torch.randn(s, generator=g, dtype=F64) for s in SHAPES] for _ in range(steps)]
+
+    def draw(shape):
+        return torch.randn(shape, generator=g, dtype=F64, device="cpu").to(device)
+
+    initial = [draw(s) for s in SHAPES]
+    grads = [[draw(s) for s in SHAPES] for _ in range(steps)]
     ours = [torch.nn.Parameter(w.clone()) for w in initial]
     theirs = [torch.nn.Parameter(w.clone()) for w in initial]
     opt_ours = DistributedShampoo(ours, factor_matrix_dtype=F64, **case.ours)
@@ -220,6 +226,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=27)
     parser.add_argument("--tolerance", type=float, default=1e-6)
     parser.add_argument("--cases", nargs="*", default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where both run")
     args = parser.parse_args()
     meta = load_meta(args.meta_path)
     failed = 0
@@ -228,7 +235,7 @@ def main() -> int:
     for case in cases(meta):
         if args.cases and case.name not in args.cases:
             continue
-        error = run_case(case, args.steps)
+        error = run_case(case, args.steps, device=args.device)
         ok = error <= args.tolerance
         failed += not ok
         print(f"| {case.name} | {error:.2e} | {'yes' if ok else '**no**'} |", flush=True)
