@@ -67,6 +67,7 @@ step() {
     if [ "$SMOKE" = 1 ]; then
         part step_gpt2_tiny 200 $PY benchmarks/step_time.py --device "$DEVICE" --threads 1 \
             --model gpt2-tiny "${meta_args[@]}" --rounds 2 --steady 2 --soap --qr-tolerance 0 \
+            --low-precision-roots \
             --orthogonalization householder cholesky_qr --staggered 3 \
             --write "$OUT/step_gpt2_tiny.md"
         return
@@ -74,14 +75,14 @@ step() {
     # fixed-gradient steady/refresh vs Meta and fused AdamW, orthogonalisation per size,
     # staggered vs all over one period of 100 steps, real ResNet-50 runs (staggered max/median)
     part step_resnet50 170 $PY benchmarks/step_time.py --device "$DEVICE" --model resnet50 \
-        "${meta_args[@]}" --rounds 3 --steady 10 --qr-tolerance 0 \
+        "${meta_args[@]}" --rounds 3 --steady 10 --qr-tolerance 0 --low-precision-roots \
         --orthogonalization householder cholesky_qr --staggered 100 --real-run 20 \
         --write "$OUT/step_resnet50.md"
     part step_gpt2 150 $PY benchmarks/step_time.py --device "$DEVICE" --model gpt2 \
         "${meta_args[@]}" --rounds 3 --steady 10 --soap --qr-tolerance 0 0.1 \
-        --staggered 100 --write "$OUT/step_gpt2.md"
+        --low-precision-roots --staggered 100 --write "$OUT/step_gpt2.md"
     part step_gpt2_medium 180 $PY benchmarks/step_time.py --device "$DEVICE" --model gpt2-medium \
-        "${meta_args[@]}" --rounds 2 --steady 10 --staggered 100 \
+        "${meta_args[@]}" --rounds 2 --steady 10 --low-precision-roots --staggered 100 \
         --write "$OUT/step_gpt2_medium.md"
 }
 

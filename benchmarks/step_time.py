@@ -101,7 +101,7 @@ def ours(params, grads, name="hf_shampoo", **kw) -> Runner:
     return Runner(name, params, grads, opt, set_step)
 
 
-def meta(params, grads, packing: bool) -> Runner | None:
+def meta(params, grads, packing: bool, roots: torch.dtype = torch.float32) -> Runner | None:
     try:
         import logging
 
@@ -118,14 +118,16 @@ def meta(params, grads, packing: bool) -> Runner | None:
         params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, max_preconditioner_dim=1024,
         precondition_frequency=F, start_preconditioning_step=F,
         grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
-        preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=packing),
+        preconditioner_config=RootInvShampooPreconditionerConfig(
+            use_symmetric_packing=packing, inv_factor_matrix_dtype=roots),
     )
 
     def set_step(t: int) -> None:
         for state_lists in opt._per_group_state_lists:
             state_lists[STEP].fill_(t)
 
-    return Runner(f"Meta distributed_shampoo (packing {'on' if packing else 'off'})",
+    low = "" if roots == torch.float32 else f", {str(roots).removeprefix('torch.')} roots"
+    return Runner(f"Meta distributed_shampoo (packing {'on' if packing else 'off'}{low})",
                   params, grads, opt, set_step)
 
 
@@ -287,6 +289,9 @@ def main() -> None:
                         choices=["householder", "cholesky_qr"],
                         help="orthogonalisations of the QR runs (and a per-size cost table "
                              "when more than Householder is asked for)")
+    parser.add_argument("--low-precision-roots", action="store_true",
+                        help="also inv_factor_matrix_dtype=bfloat16 (ours and Meta's): roots "
+                             "and the steady step's products in bfloat16")
     parser.add_argument("--quantization", action="store_true",
                         help="also 4-bit Shampoo (and 4-bit SOAP with --soap)")
     parser.add_argument("--only-orthogonalization", action="store_true",
@@ -355,6 +360,9 @@ def fixed_gradient_lines(args) -> list[str]:
             runners.append(ours(params, grads, f"hf_shampoo, {label(tolerance, method)}",
                                 eigendecomposition="qr", eigenbasis_tolerance=tolerance,
                                 orthogonalization=method))
+    if args.low_precision_roots:
+        runners.append(ours(params, grads, "hf_shampoo, bfloat16 roots",
+                            inv_factor_matrix_dtype=torch.bfloat16))
     if args.quantization:
         runners.append(ours(params, grads, "hf_shampoo 4-bit", quantization="4bit"))
     if args.soap:
@@ -373,6 +381,10 @@ def fixed_gradient_lines(args) -> list[str]:
     if not args.no_meta:
         for packing in (True, False):
             runner = meta(params, grads, packing)
+            if runner is not None:
+                runners.append(runner)
+        if args.low_precision_roots:
+            runner = meta(params, grads, False, torch.bfloat16)
             if runner is not None:
                 runners.append(runner)
     baselines = [adamw(params, grads, foreach=True), adamw(params, grads, fused=True)]
@@ -417,8 +429,15 @@ def fixed_gradient_lines(args) -> list[str]:
     lines += ["", f"- refresh floor Σ eigh(factor) + steady: {floor_eigh:.2f} + {steady:.3f} "
               f"= {floor:.2f} s; hf_shampoo's eigh refresh (median of {args.rounds}) "
               f"{refresh:.2f} s = {refresh / floor:.2f}× the floor"]
+    low = [r for r in runners if r.name == "hf_shampoo, bfloat16 roots"]
     for m in meta_runners:
         ref_refresh = median(m.refresh + m.second_refresh)
+        if "bfloat16 roots" in m.name and low:  # like against like
+            r = low[0]
+            lines.append(f"- {r.name} vs {m.name}: steady "
+                         f"{median(r.steady) / median(m.steady):.2f}×, eigh refresh "
+                         f"{median(r.refresh + r.second_refresh) / ref_refresh:.2f}×")
+            continue
         qr = "".join(f"; {r.name}: 2nd refresh {median(r.second_refresh) / ref_refresh:.2f}×"
                      for r in runners[1:]
                      if not r.name.startswith("Meta") and r.second_refresh)

@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "grafting_beta2": 0.999,
     "grafting_epsilon": 1e-8,
     "factor_matrix_dtype": torch.float32,
+    "inv_factor_matrix_dtype": None,
     "distributed": "auto",
     "fsdp_mode": "lossless",
     "communication_dtype": torch.float32,
@@ -69,6 +70,10 @@ ORTHOGONALIZATIONS = ("householder", "cholesky_qr")
 QUANTIZATIONS = (None, "4bit")
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
+# Storage of Shampoo's inverse roots and the dtype of the preconditioning products (Meta's
+# inv_factor_matrix_dtype): None = factor_matrix_dtype; bfloat16 / float16 halve the roots'
+# memory and run the steady step's products in that dtype (computed in factor dtype, cast).
+INV_FACTOR_MATRIX_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DISTRIBUTED_MODES = ("auto", "none", "ddp", "fsdp")
 # FSDP2 / HSDP parameters (SPEC §8): "lossless" blocks the full parameter (one-process
 # numbers); "local" blocks each rank's local shard (no extra communication).
@@ -93,6 +98,7 @@ LAYOUT_KEYS = (
     "inverse_exponent_override",
     "grafting",
     "factor_matrix_dtype",
+    "inv_factor_matrix_dtype",
     "quantization",
 )
 
@@ -234,6 +240,15 @@ def validate_group(group: dict[str, Any]) -> None:
         _fail("grafting_beta2", group["grafting_beta2"], f"expected < 1 for {group['grafting']!r}")
     _check_real("grafting_epsilon", group["grafting_epsilon"], 0.0, math.inf, low_open=True)
     _check_choice("factor_matrix_dtype", group["factor_matrix_dtype"], FACTOR_MATRIX_DTYPES)
+    _check_choice("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
+                  INV_FACTOR_MATRIX_DTYPES)
+    if group["inv_factor_matrix_dtype"] is not None and (
+        group["preconditioner"] != "shampoo" or group["quantization"] is not None
+    ):
+        _fail("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
+              "it sets the dtype of the inverse roots of preconditioner='shampoo' without "
+              "quantization: expected None here (preconditioner="
+              f"{group['preconditioner']!r}, quantization={group['quantization']!r})")
     _check_choice("distributed", group["distributed"], DISTRIBUTED_MODES)
     _check_choice("fsdp_mode", group["fsdp_mode"], FSDP_MODES)
     _check_choice("communication_dtype", group["communication_dtype"], COMMUNICATION_DTYPES)

@@ -95,6 +95,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         grafting_beta2: float = DEFAULTS["grafting_beta2"],
         grafting_epsilon: float = DEFAULTS["grafting_epsilon"],
         factor_matrix_dtype: torch.dtype = DEFAULTS["factor_matrix_dtype"],
+        inv_factor_matrix_dtype: torch.dtype | None = DEFAULTS["inv_factor_matrix_dtype"],
         distributed: str = DEFAULTS["distributed"],
         fsdp_mode: str = DEFAULTS["fsdp_mode"],
         communication_dtype: torch.dtype = DEFAULTS["communication_dtype"],

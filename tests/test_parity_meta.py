@@ -1,5 +1,6 @@
 """Parity with Meta's ``distributed_shampoo`` (opt-in): every case of
-``benchmarks/parity.py`` within 1e-6 of the parameter movement, in float64.
+``benchmarks/parity.py`` within 1e-6 of the parameter movement, in float64 (float16
+inverse roots: 1e-5).
 
 Runs when ``HF_SHAMPOO_META_PATH`` points at a checkout of facebookresearch/optimizers
 (Meta's code is imported from there, never vendored); skipped otherwise.
@@ -31,4 +32,4 @@ def _cases():
 def test_within_1e6_of_meta(case):
     import parity
 
-    assert parity.run_case(case, steps=27) <= 1e-6
+    assert parity.run_case(case, steps=27) <= (case.tolerance or 1e-6)

@@ -84,6 +84,7 @@ _OPTIONAL_TYPES = {
     "inverse_exponent_override": dict,
     "quantization": str,
     "statistics_frequency": int,
+    "inv_factor_matrix_dtype": torch.dtype,
 }
 
 
@@ -148,7 +149,7 @@ def cast_value(key: str, text: Any) -> Any:
             return tuple(float(p) for p in parts)
         except ValueError:
             raise _bad(key, raw, "numbers such as (0.9;0.999)") from None
-    if isinstance(default, torch.dtype):
+    if kind is torch.dtype or isinstance(default, torch.dtype):
         name = raw.removeprefix("torch.")
         dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
         if not isinstance(dtype, torch.dtype):

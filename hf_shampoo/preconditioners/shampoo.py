@@ -5,7 +5,9 @@ refresh steps from an eigendecomposition: ``eigh``, or warm-started QR from the 
 (``eigendecomposition="qr"``), and with ``eigenbasis_tolerance > 0`` only where the kept
 basis fails the SPEC §3 criterion. State: ``factor_matrix_{j}``, ``inverse_root_{j}``,
 and ``eigenvectors_{j}`` (sorted by descending eigenvalue) when QR or the criterion needs
-them.
+them. The roots are computed in ``factor_matrix_dtype`` and stored in
+``inv_factor_matrix_dtype`` (Meta's option of that name); ``P`` is computed in the roots'
+dtype and returned in the gradient's, as Meta does.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Shampoo(KroneckerFactored):
         shapes = super().state_shapes(stack, group)
         for j in self.factor_dims(stack, group):
             d = stack.shape[j]
-            shapes[f"inverse_root_{j}"] = ((d, d), group["factor_matrix_dtype"])
+            shapes[f"inverse_root_{j}"] = ((d, d), root_dtype(group))
             if self.keeps_basis(group):
                 shapes[f"eigenvectors_{j}"] = ((d, d), group["factor_matrix_dtype"])
         return shapes
@@ -75,7 +77,10 @@ class Shampoo(KroneckerFactored):
         scaled = workspace.get("refresh_scaled", vectors.shape, vectors.dtype, device)
         if not vectors.is_contiguous():  # column-major from eigh: keep its layout
             scaled = scaled.mT
-        if picked.covers(local, root):
+        if root.dtype != vectors.dtype:  # computed in the factors' dtype, stored cast
+            picked.put(root, local, linalg.inverse_root_from_eigen(
+                lam, vectors, exponent, scratch=scaled).to(root.dtype))
+        elif picked.covers(local, root):
             linalg.inverse_root_from_eigen(lam, vectors, exponent, root, scaled)
         else:
             picked.put(root, local, linalg.inverse_root_from_eigen(
@@ -86,9 +91,15 @@ class Shampoo(KroneckerFactored):
         return [job.state.get(f"inverse_root_{j}") for j in range(stack.order)]
 
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
-        """``P = Ĝ ×_1 I_1 ... ×_k I_k`` (identity where a dim has no root)."""
+        """``P = Ĝ ×_1 I_1 ... ×_k I_k`` (identity where a dim has no root), computed in
+        the roots' dtype."""
         roots = self.roots(stack, job, scratch)
-        fdtype = job.group["factor_matrix_dtype"]
-        if filtered.dtype == fdtype:
+        dtype = root_dtype(job.group)
+        if filtered.dtype == dtype:
             return multi_mode_product(filtered, roots, out=out, scratch=scratch("scratch"))
-        return out.copy_(multi_mode_product(filtered.to(fdtype), roots))
+        return out.copy_(multi_mode_product(filtered.to(dtype), roots))
+
+
+def root_dtype(group: dict):
+    """The inverse roots' dtype: ``inv_factor_matrix_dtype``, else ``factor_matrix_dtype``."""
+    return group["inv_factor_matrix_dtype"] or group["factor_matrix_dtype"]
