@@ -67,7 +67,7 @@ IGNORED_LANGS = {"text"}
 TORCHRUN_MARK = re.compile(r"^#.*\btorchrun --nproc_per_node (\d+)\b")
 PYTHON_WORD = re.compile(r"^(\S*/)?python(3(\.\d+)?)?$")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-COMMAND_WORDS = {"make", "pip", "torchrun", "accelerate"}
+COMMAND_WORDS = {"make", "pip", "torchrun", "accelerate", "bash"}
 
 # Flags of timm's train.py that the docs use, taken from pytorch-image-models' train.py
 # (aa4b585, timm 1.0.29.dev0; the timm wheel does not ship the script).
@@ -169,7 +169,7 @@ def shell_blocks() -> list[Block]:
 class Check:
     """One thing a command asks of the repository."""
 
-    kind: str  # "program" (flags against a help text), "make", "extra", "error"
+    kind: str  # "program" (flags against a help text), "make", "extra", "part", "error"
     name: str
     flags: tuple[str, ...] = ()
 
@@ -200,6 +200,9 @@ def target_checks(target: str | None, is_module: bool, words: list[str]) -> list
     if is_module:
         if target == "hf_shampoo.run":
             return hf_run_checks(words)
+        if target == "pytest":  # the test files named must exist
+            return [Check("error", f"no such test file: {w}") for w in words
+                    if not w.startswith("-") and not (REPO / w.split("::")[0]).exists()]
         if target in EXTERNAL_SCRIPTS:
             return [Check("program", EXTERNAL_SCRIPTS[target], long_flags(words))]
         return [Check("error", f"unknown module {target!r} (add it to the test)")]
@@ -237,6 +240,10 @@ def checks_for(line: str) -> list[Check]:
         extras = [e.strip() for group in re.findall(r"\.\[([^\]]+)\]", line)
                   for e in group.split(",")]
         return [Check("extra", extra) for extra in extras]
+    if head == "bash":  # bash SCRIPT.sh [PART]: PART must be one of the script's cases
+        if not rest or not rest[0].endswith(".sh") or not (REPO / rest[0]).is_file():
+            return [Check("error", f"bash {' '.join(rest[:1])}: no such script")]
+        return [Check("part", rest[0], tuple(rest[1:]))]
     if head == "torchrun":
         return launcher_checks("torchrun", rest)
     if head == "accelerate":
@@ -261,6 +268,11 @@ SHELL_COMMANDS = [(block, block.line + offset, line) for block in shell_blocks()
 
 def flag_in_help(flag: str, help_text: str) -> bool:
     return re.search(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])", help_text) is not None
+
+
+def script_parts(script: str) -> set[str]:
+    """The words a shell script's ``case`` accepts (``    name)`` lines)."""
+    return set(re.findall(r"^\s*([\w-]+)\)", (REPO / script).read_text(), flags=re.M))
 
 
 def makefile_targets() -> set[str]:
@@ -438,6 +450,9 @@ def test_shell_command_names_what_exists(where, line, help_texts):
             problems.append(f"make target {check.name!r} is not in the Makefile")
         elif check.kind == "extra" and check.name not in pyproject_extras():
             problems.append(f"extra {check.name!r} is not in pyproject.toml")
+        elif check.kind == "part":
+            problems += [f"{check.name} has no part {part!r}" for part in check.flags
+                         if part not in script_parts(check.name)]
         elif check.kind == "program":
             text = help_texts[check.name]
             problems += [f"{check.name} does not accept {flag}" for flag in check.flags
@@ -453,6 +468,12 @@ def test_the_flag_checks_can_fail():
     assert flag_in_help("--nproc_per_node", "  --nproc_per_node NPROC, --nproc-per-node N")
     assert checks_for("python examples/nope.py")[0].kind == "error"
     assert checks_for("rm -rf outputs")[0].kind == "error"
+    assert checks_for("bash benchmarks/nope.sh step")[0].kind == "error"
+    assert checks_for("python -m pytest -q tests/test_nope.py")[0].kind == "error"
+    assert checks_for("python -m pytest -q tests/test_gpu.py") == []
+    (part,) = checks_for("bash benchmarks/gpu_session.sh stpe")
+    assert part.flags == ("stpe",) and "stpe" not in script_parts(part.name)
+    assert "step" in script_parts(part.name)
 
 
 @pytest.mark.slow  # two processes under torchrun: 12-24 s on two busy cores
