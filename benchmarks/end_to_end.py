@@ -16,6 +16,11 @@ fresh copy of the model, one after the other):
   module rules of hf_shampoo's ``transformer`` preset). Step times from a callback
   (``on_step_begin`` to ``on_step_end``; fetching the batch is outside).
 
+``--variants`` adds staggered Shampoo runs with GPU-oriented options to both workloads:
+``qr`` (``eigendecomposition="qr"``, ``orthogonalization="cholesky_qr"``: refreshes by
+matrix products after the first ``eigh``) and ``bf16-roots``
+(``inv_factor_matrix_dtype=torch.bfloat16``: the steady step's products in bfloat16).
+
 Window: preconditioning starts at step F (``start_preconditioning_step=None``) and the
 staggered schedule delays each block by an offset in [0, F), so the last block's first
 refresh is step 2F - 1. After 2F + 1 warm-up steps, F steps are timed: every block is
@@ -54,6 +59,13 @@ MARK_END = "<!-- end_to_end.py:end -->"
 WORKLOADS = ("resnet50", "gpt2")
 GOAL = 1.10  # Shampoo (staggered) mean step / AdamW's
 N_BATCHES = 4  # distinct batches, cycled
+# --variants: Shampoo keywords, and the same as optim_args for the Trainer
+VARIANTS = {
+    "qr": (dict(eigendecomposition="qr", orthogonalization="cholesky_qr"),
+           "eigendecomposition=qr,orthogonalization=cholesky_qr"),
+    "bf16-roots": (dict(inv_factor_matrix_dtype=torch.bfloat16),
+                   "inv_factor_matrix_dtype=bfloat16"),
+}
 FULL = dict(batch_size=256, image_size=224, seq_len=1024, gpt2_batch_size=8, frequency=100)
 TINY = dict(batch_size=4, image_size=32, seq_len=32, gpt2_batch_size=2, frequency=4)
 
@@ -150,6 +162,11 @@ def resnet_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
         f"Shampoo all, F={args.frequency}":
             lambda p: DistributedShampoo(p, refresh_schedule="all", **shampoo),
     }
+    for variant in args.variants:
+        keywords = VARIANTS[variant][0]
+        optimizers[f"Shampoo staggered, F={args.frequency}, {variant}"] = (
+            lambda p, kw=keywords: DistributedShampoo(p, refresh_schedule="staggered",
+                                                      **shampoo, **kw))
     for name, make in optimizers.items():
         resident = free_memory(device)
         torch.manual_seed(0)
@@ -216,9 +233,11 @@ def gpt2_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
     optim_args = (f"precondition_frequency={args.frequency},refresh_schedule=staggered,"
                   "max_preconditioner_dim=1024")
     adamw = "adamw_torch_fused" if fused else "adamw_torch"
-    for name, optim, extra in [(f"AdamW ({adamw})", adamw, None),
-                               (f"Shampoo staggered, F={args.frequency}", "distributed_shampoo",
-                                optim_args)]:
+    runs = [(f"AdamW ({adamw})", adamw, None),
+            (f"Shampoo staggered, F={args.frequency}", "distributed_shampoo", optim_args)]
+    runs += [(f"Shampoo staggered, F={args.frequency}, {variant}", "distributed_shampoo",
+              f"{optim_args},{VARIANTS[variant][1]}") for variant in args.variants]
+    for name, optim, extra in runs:
         resident = free_memory(device)
         torch.manual_seed(0)
         model = hf.GPT2LMHeadModel(config)
@@ -350,6 +369,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                         help="autocast dtype (default bf16 on CUDA, fp32 elsewhere)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[],
+                        help="also staggered Shampoo with these GPU-oriented options")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models and steps")
     parser.add_argument("--json", default=None, help="write every step time here")
     parser.add_argument("--write", default=None, help="put the table into this markdown file")

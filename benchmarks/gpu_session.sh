@@ -9,7 +9,11 @@
 #   bash benchmarks/gpu_session.sh tests      # HF_SHAMPOO_TEST_DEVICE=cuda on the device-generic tests
 #   bash benchmarks/gpu_session.sh step       # step_time.py --device cuda: ResNet-50, GPT-2 small/medium
 #   bash benchmarks/gpu_session.sh e2e        # end_to_end.py: ResNet-50 bf16 and GPT-2 via the Trainer
+#                                             # (or e2e-resnet50 / e2e-gpt2: one each, ~5 min)
 #   bash benchmarks/gpu_session.sh all        # the four in order
+#
+# Planned as separate device calls of at most 10 minutes: check + tests, step, e2e-resnet50,
+# e2e-gpt2 (each part's time limit below leaves room for the machine's start).
 #
 # SMOKE=1 DEVICE=cpu runs every part at toy size on a CPU (the plumbing, in about 3 min).
 #
@@ -86,18 +90,21 @@ step() {
         --write "$OUT/step_gpt2_medium.md"
 }
 
-e2e() {
+e2e() {  # e2e WORKLOAD SECONDS: AdamW (fused) against Shampoo F=100 staggered, + variants
     local size=()
     [ "$SMOKE" = 1 ] && size=(--tiny)
-    part e2e 520 $PY benchmarks/end_to_end.py --device "$DEVICE" "${size[@]}" \
-        --json "$OUT/e2e.json" --write "$OUT/e2e.md"
+    part "e2e_$1" "$2" $PY benchmarks/end_to_end.py --device "$DEVICE" "${size[@]}" \
+        --workload "$1" --variants qr bf16-roots \
+        --json "$OUT/e2e_$1.json" --write "$OUT/e2e_$1.md"
 }
 
 case "${1:-all}" in
     check) check ;;
     tests) tests ;;
     step) step ;;
-    e2e) e2e ;;
-    all) check; tests; step; e2e ;;
-    *) echo "usage: $0 check|tests|step|e2e|all" >&2; exit 2 ;;
+    e2e) e2e resnet50 400; e2e gpt2 300 ;;
+    e2e-resnet50) e2e resnet50 540 ;;
+    e2e-gpt2) e2e gpt2 540 ;;
+    all) check; tests; step; e2e resnet50 400; e2e gpt2 300 ;;
+    *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|all" >&2; exit 2 ;;
 esac

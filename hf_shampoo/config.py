@@ -242,13 +242,14 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_choice("factor_matrix_dtype", group["factor_matrix_dtype"], FACTOR_MATRIX_DTYPES)
     _check_choice("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
                   INV_FACTOR_MATRIX_DTYPES)
-    if group["inv_factor_matrix_dtype"] is not None and (
-        group["preconditioner"] != "shampoo" or group["quantization"] is not None
+    kind = group["preconditioner"]
+    if group["inv_factor_matrix_dtype"] is not None and kind != "diagonal" and (
+        kind != "shampoo" or group["quantization"] is not None
     ):
         _fail("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
               "it sets the dtype of the inverse roots of preconditioner='shampoo' without "
-              "quantization: expected None here (preconditioner="
-              f"{group['preconditioner']!r}, quantization={group['quantization']!r})")
+              "quantization (and has no effect with 'diagonal'): expected None here "
+              f"(preconditioner={kind!r}, quantization={group['quantization']!r})")
     _check_choice("distributed", group["distributed"], DISTRIBUTED_MODES)
     _check_choice("fsdp_mode", group["fsdp_mode"], FSDP_MODES)
     _check_choice("communication_dtype", group["communication_dtype"], COMMUNICATION_DTYPES)

@@ -121,6 +121,20 @@ def test_bad_values_are_refused(kw, message):
     assert message in str(error.value)
 
 
+def test_diagonal_groups_accept_it():
+    """Module rules put biases and norms in 'diagonal' groups and pass every keyword to
+    each group: there the option has nothing to act on, and is accepted."""
+    grads = _grads(3)
+    params, opt = _optimizer(preconditioner="diagonal", grafting="adam",
+                             inv_factor_matrix_dtype=torch.bfloat16)
+    params_f, full = _optimizer(preconditioner="diagonal", grafting="adam")
+    for t in range(3):
+        _step(opt, params, grads[t])
+        _step(full, params_f, grads[t])
+    for a, b in zip(params, params_f):
+        assert torch.equal(a, b)
+
+
 def test_reachable_from_optim_args():
     assert parse_optim_args("inv_factor_matrix_dtype=bfloat16").kwargs == {
         "inv_factor_matrix_dtype": torch.bfloat16}

@@ -1,0 +1,38 @@
+"""``benchmarks/gpu_session.sh``, the GPU session's driver: valid shell, its parts refuse a
+wrong name, and a part runs on a CPU (``DEVICE=cpu``) writing its log under ``$OUT``. (Its
+``SMOKE=1`` run of every part, about 80 s, is the manual check before a GPU session.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+
+
+def _run(*args, out):
+    env = {**os.environ, "OUT": str(out), "DEVICE": "cpu", "SMOKE": "1",
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_is_valid_shell():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def test_a_wrong_part_is_refused(tmp_path):
+    done = _run("stpe", out=tmp_path)
+    assert done.returncode == 2
+    assert "usage:" in done.stderr and "e2e-resnet50" in done.stderr
+
+
+def test_check_part_writes_its_log(tmp_path):
+    done = _run("check", out=tmp_path)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "check.log").read_text()
+    assert f"torch {__import__('torch').__version__}" in log
+    assert "== check exit 0" in done.stdout
