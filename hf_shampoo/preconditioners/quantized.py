@@ -121,7 +121,7 @@ class QuantizedFactors:
         for r in rows:
             t = self.own_step(job, r)
             deltas.append(t - self.previous_sample(group, t))
-        delta = torch.tensor(deltas, dtype=torch.float64)
+        delta = torch.tensor(deltas, dtype=torch.float64, device="cpu")
         if beta2 == 1.0:
             keep, weight = torch.ones_like(delta), delta
         else:

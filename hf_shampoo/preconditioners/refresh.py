@@ -145,7 +145,7 @@ def decompose(
     group = job.group
     n = plan.matrix.shape[0]
     todo, values = plan.todo, plan.values
-    ok = torch.ones(n, dtype=torch.bool)
+    ok = torch.ones(n, dtype=torch.bool, device="cpu")
     if len(todo) == 0:
         return NewBases(ok, todo, None, values)
     full = len(todo) == n
@@ -165,7 +165,7 @@ def decompose(
         basis, new_values = eig.eigenvectors, eig.eigenvalues
         if descending:
             basis, new_values = basis.flip(-1), new_values.flip(-1)
-        sub_ok = torch.tensor(eig.ok, dtype=torch.bool)
+        sub_ok = torch.tensor(eig.ok, dtype=torch.bool, device="cpu")
     done = todo
     if not bool(sub_ok.all()):
         ok[todo.cpu()] = sub_ok
