@@ -90,6 +90,34 @@ def fused_adamw_supported(device: torch.device) -> bool:
         return False
 
 
+class Span:
+    """The time of one stretch inside a step, without a synchronisation of its own: CUDA
+    events recorded at ``begin``/``end`` and read once the step has been synchronised
+    (``seconds``); on a CPU the clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def begin(self) -> None:
+        if self.cuda:
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        else:
+            self.start = time.perf_counter()
+
+    def end(self) -> None:
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.stop = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self.events[0].elapsed_time(self.events[1]) / 1e3
+        return self.stop - self.start
+
+
 def summary(times: list[float]) -> dict:
     return {"mean": statistics.fmean(times), "median": median(times), "max": max(times)}
 
@@ -172,7 +200,8 @@ def resnet_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
         torch.manual_seed(0)
         model = make_resnet(args.tiny).to(device, memory_format=torch.channels_last).train()
         opt = make(model.parameters())
-        times, facts, first = [], None, None
+        times, optimizer_times, facts, first = [], [], None, None
+        span = Span(device)
         log(f"resnet50 / {name}: {args.total} steps")
         for step in range(args.total):
             if step == args.warmup and isinstance(opt, DistributedShampoo):
@@ -183,15 +212,18 @@ def resnet_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
             with torch.autocast(device.type, dtype=args.dtype, enabled=args.amp):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
+            span.begin()
             opt.step()
+            span.end()
             opt.zero_grad(set_to_none=True)
             synchronize(device)
             times.append(time.perf_counter() - start)
+            optimizer_times.append(span.seconds())
             if step == 0:  # after the clock: .item() synchronises
                 first = loss.item()
             progress(step, args.total, times)
         yield record("resnet50", name, times, args, device, opt, facts, resident,
-                     first_loss=first, final_loss=loss.item())
+                     optimizer_times, first_loss=first, final_loss=loss.item())
         del model, opt, loss
 
 
@@ -212,6 +244,8 @@ def gpt2_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
     class StepTimer(hf.TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.optimizer_times: list[float] = []
+            self.span = Span(device)
             self.facts = self.first_loss = None
 
         def on_log(self, targs, state, control, logs=None, **kwargs):
@@ -222,9 +256,16 @@ def gpt2_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
             synchronize(device)
             self.start = time.perf_counter()
 
+        def on_pre_optimizer_step(self, targs, state, control, **kwargs):
+            self.span.begin()
+
+        def on_optimizer_step(self, targs, state, control, **kwargs):
+            self.span.end()
+
         def on_step_end(self, targs, state, control, optimizer=None, **kwargs):
             synchronize(device)
             self.times.append(time.perf_counter() - self.start)
+            self.optimizer_times.append(self.span.seconds())
             progress(len(self.times) - 1, args.total, self.times)
             shampoo = unwrap(optimizer)
             if len(self.times) == args.warmup and isinstance(shampoo, DistributedShampoo):
@@ -256,8 +297,8 @@ def gpt2_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
                 result = trainer.train()
         opt = unwrap(trainer.optimizer)
         yield record("gpt2", name, timer.times, args, device, opt, timer.facts, resident,
-                     first_loss=timer.first_loss, train_loss=result.training_loss,
-                     optim_args=extra)
+                     timer.optimizer_times, first_loss=timer.first_loss,
+                     train_loss=result.training_loss, optim_args=extra)
         del model, trainer, opt
 
 
@@ -274,7 +315,8 @@ def progress(step: int, total: int, times: list[float]) -> None:
         log(f"  step {step + 1}/{total}, {sum(times):.1f} s so far, last {times[-1]:.3f} s")
 
 
-def record(workload, name, times, args, device, opt, facts, resident, **extra) -> dict:
+def record(workload, name, times, args, device, opt, facts, resident, optimizer_times,
+           **extra) -> dict:
     """One run: the window's step times and statistics, GPU memory (peak; ``resident``:
     allocated before the model was built, e.g. the image batches), ``extra`` (losses: the
     first step's, and the last step's or the Trainer's mean ``train_loss``), and what the
@@ -282,7 +324,10 @@ def record(workload, name, times, args, device, opt, facts, resident, **extra) -
     if len(times) != args.total:
         raise RuntimeError(f"{workload} / {name}: {len(times)} step times, expected {args.total}")
     window = times[args.warmup:]
+    optimizer_window = optimizer_times[args.warmup:]
     run = {"workload": workload, "optimizer": name, "times": window,
+           "optimizer_times": optimizer_window,
+           "optimizer_mean": statistics.fmean(optimizer_window),
            "warmup_times": times[:args.warmup], **summary(window),
            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
            if device.type == "cuda" else None, "memory_at_start_gib": resident, **extra}
@@ -312,8 +357,8 @@ def table(runs: list[dict], args, device: torch.device) -> str:
              f"F={f}, after {args.warmup} warm-up steps (preconditioning starts at step {f}, "
              f"staggered by step {2 * f - 1} for every block).", "",
              "| workload | optimizer | mean step s | median s | max s | max / median | "
-             "mean / AdamW | peak GPU memory GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "mean / AdamW | optimizer step, mean s | peak GPU memory GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     goals = []
     for workload in WORKLOADS:
         rows = [r for r in runs if r["workload"] == workload]
@@ -324,7 +369,7 @@ def table(runs: list[dict], args, device: torch.device) -> str:
             memory = "–" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
             lines.append(f"| {workload} | {r['optimizer']} | {r['mean']:.4f} | "
                          f"{r['median']:.4f} | {r['max']:.4f} | {r['max'] / r['median']:.2f} | "
-                         f"{r['mean'] / base:.2f}× | {memory} |")
+                         f"{r['mean'] / base:.2f}× | {r['optimizer_mean']:.4f} | {memory} |")
         for r in rows[1:]:
             if "staggered" not in r["optimizer"]:
                 continue

@@ -64,7 +64,8 @@ def test_table_has_one_row_per_optimizer_and_workload(tiny):
         assert mean == pytest.approx(run["mean"], abs=1e-4)
         adamw = runs[row[0], OPTIMIZERS[row[0]][0]]["mean"]
         assert float(row[6].rstrip("×")) == pytest.approx(run["mean"] / adamw, abs=0.01)
-        assert row[7] == "–"  # no GPU memory on CPU
+        assert float(row[7]) == pytest.approx(run["optimizer_mean"], abs=1e-4)
+        assert row[8] == "–"  # no GPU memory on CPU
     assert f"Window: steps {WARMUP + 1}–{WARMUP + F}" in stdout
     assert stdout.count("goal ≤ 1.10×") == 2
 
@@ -80,6 +81,9 @@ def test_json_has_the_window_and_same_start_for_every_optimizer(tiny):
         assert all(math.isfinite(t) and t > 0 for t in run["times"] + run["warmup_times"])
         assert run["mean"] == pytest.approx(sum(run["times"]) / F)
         assert run["max"] == max(run["times"])
+        # the optimizer step is a part of each step (the Trainer's: between its callbacks)
+        assert len(run["optimizer_times"]) == F
+        assert all(0 < o < t for o, t in zip(run["optimizer_times"], run["times"]))
         assert math.isfinite(run["first_loss"])
     for workload in OPTIMIZERS:
         runs = [r for r in saved["runs"] if r["workload"] == workload]
