@@ -12,8 +12,9 @@
 #                                             # (or e2e-resnet50 / e2e-gpt2: one each, ~5 min)
 #   bash benchmarks/gpu_session.sh all        # the four in order
 #
-# Planned as separate device calls of at most 10 minutes: check + tests, step, e2e-resnet50,
-# e2e-gpt2 (each part's time limit below leaves room for the machine's start).
+# Planned as three device calls of at most 10 minutes (30 minutes of device time in all,
+# the machine's start included): `check; tests` (about 4 min), `step` (at most 9 min) and
+# `e2e` (at most 9 min). Each part is cut at its own limit and its log says so.
 #
 # SMOKE=1 DEVICE=cpu runs every part at toy size on a CPU (the plumbing, in about 3 min).
 #
@@ -38,11 +39,11 @@ else
     echo "no $META_PATH/distributed_shampoo: Meta's rows and parity tests are skipped"
 fi
 
-part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+part() {  # part NAME SECONDS COMMAND...: run with a time limit, append to $OUT/NAME.log
     local name=$1 seconds=$2
     shift 2
-    echo "== $name ($(date -u +%H:%M:%S), limit ${seconds}s): $*"
-    timeout "$seconds" "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "== $name ($(date -u +%H:%M:%S), limit ${seconds}s): $*" | tee -a "$OUT/$name.log"
+    timeout "$seconds" "$@" 2>&1 | tee -a "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "== $name exit $rc"
     return 0
@@ -63,31 +64,27 @@ tests() {
 from tests.conftest import DEVICE_GENERIC
 print(" ".join(f"tests/{m}.py" for m in sorted(DEVICE_GENERIC)))')
     [ "$SMOKE" = 1 ] && modules="tests/test_host_sync.py tests/test_gpu.py tests/test_kronecker.py"
-    HF_SHAMPOO_TEST_DEVICE=$DEVICE part tests 280 $PY -m pytest -q -p no:cacheprovider \
+    HF_SHAMPOO_TEST_DEVICE=$DEVICE part tests 240 $PY -m pytest -q -p no:cacheprovider \
         --junitxml="$OUT/tests.xml" $modules
 }
 
 step() {
-    if [ "$SMOKE" = 1 ]; then
-        part step_gpt2_tiny 200 $PY benchmarks/step_time.py --device "$DEVICE" --threads 1 \
-            --model gpt2-tiny "${meta_args[@]}" --rounds 2 --steady 2 --soap --qr-tolerance 0 \
-            --low-precision-roots \
-            --orthogonalization householder cholesky_qr --staggered 3 \
-            --write "$OUT/step_gpt2_tiny.md"
-        return
-    fi
-    # fixed-gradient steady/refresh vs Meta and fused AdamW, orthogonalisation per size,
-    # staggered vs all over one period of 100 steps, real ResNet-50 runs (staggered max/median)
-    part step_resnet50 170 $PY benchmarks/step_time.py --device "$DEVICE" --model resnet50 \
-        "${meta_args[@]}" --rounds 3 --steady 10 --qr-tolerance 0 --low-precision-roots \
-        --orthogonalization householder cholesky_qr --staggered 100 --real-run 20 \
-        --write "$OUT/step_resnet50.md"
-    part step_gpt2 150 $PY benchmarks/step_time.py --device "$DEVICE" --model gpt2 \
-        "${meta_args[@]}" --rounds 3 --steady 10 --soap --qr-tolerance 0 0.1 \
-        --low-precision-roots --staggered 100 --write "$OUT/step_gpt2.md"
-    part step_gpt2_medium 180 $PY benchmarks/step_time.py --device "$DEVICE" --model gpt2-medium \
-        "${meta_args[@]}" --rounds 2 --steady 10 --low-precision-roots --staggered 100 \
-        --write "$OUT/step_gpt2_medium.md"
+    # per model, into one log: the steady step, eigh and QR refreshes (Householder and
+    # Cholesky-QR, with the per-size cost table) and bf16 roots against Meta and fused AdamW;
+    # then "all" against "staggered" over one period of F = 100 steps
+    local models=(resnet50 gpt2 gpt2-medium) f=100 model
+    [ "$SMOKE" = 1 ] && models=(gpt2-tiny) && f=3
+    for model in "${models[@]}"; do
+        local sizes=(--rounds 2 --steady 10 --qr-tolerance 0
+                     --orthogonalization householder cholesky_qr) limit=150
+        [ "$model" = resnet50 ] && limit=120
+        [ "$model" = gpt2-medium ] && sizes=(--rounds 1 --steady 10 --qr-tolerance 0)
+        [ "$SMOKE" = 1 ] && sizes+=(--steady 2 --threads 1)
+        part "step_$model" $limit $PY benchmarks/step_time.py --device "$DEVICE" \
+            --model "$model" "${meta_args[@]}" "${sizes[@]}" --low-precision-roots
+        part "step_$model" 60 $PY benchmarks/step_time.py --device "$DEVICE" \
+            --model "$model" --only-staggered --staggered $f
+    done
 }
 
 e2e() {  # e2e WORKLOAD SECONDS: AdamW (fused) against Shampoo F=100 staggered, + variants
@@ -102,9 +99,9 @@ case "${1:-all}" in
     check) check ;;
     tests) tests ;;
     step) step ;;
-    e2e) e2e resnet50 400; e2e gpt2 300 ;;
+    e2e) e2e resnet50 300; e2e gpt2 240 ;;
     e2e-resnet50) e2e resnet50 540 ;;
     e2e-gpt2) e2e gpt2 540 ;;
-    all) check; tests; step; e2e resnet50 400; e2e gpt2 300 ;;
+    all) check; tests; step; e2e resnet50 300; e2e gpt2 240 ;;
     *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|all" >&2; exit 2 ;;
 esac
