@@ -8,6 +8,7 @@ the same inputs.
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -50,6 +51,20 @@ def parameters_with_grads(model: torch.nn.Module, seed: int = 0) -> list[torch.n
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-2
     return params
+
+
+def write_section(path: str, text: str, begin: str, end: str) -> None:
+    """Put ``text`` between the markers ``begin`` and ``end`` of a markdown file, replacing
+    what was there (the markers and the section are appended if missing)."""
+    old = open(path).read() if os.path.exists(path) else ""
+    block = f"{begin}\n{text}\n{end}"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1]
+    else:
+        new = old + ("\n" if old else "") + block + "\n"
+    with open(path, "w") as f:
+        f.write(new)
 
 
 def timed(fn: Callable[[], object], repeats: int, device: str | torch.device = "cpu"

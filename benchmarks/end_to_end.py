@@ -49,7 +49,7 @@ from collections.abc import Iterator
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import hardware, median  # noqa: E402
+from common import hardware, median, synchronize, write_section  # noqa: E402
 
 from hf_shampoo import DistributedShampoo  # noqa: E402  (also registers the Trainer name)
 from hf_shampoo.config import start_step  # noqa: E402
@@ -72,11 +72,6 @@ TINY = dict(batch_size=4, image_size=32, seq_len=32, gpt2_batch_size=2, frequenc
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fused_adamw_supported(device: torch.device) -> bool:
@@ -379,19 +374,6 @@ def table(runs: list[dict], args, device: torch.device) -> str:
     return "\n".join(lines + [""] + goals)
 
 
-def write_section(path: str, text: str) -> None:
-    """Replace the text between this script's markers (append them if missing)."""
-    old = open(path).read() if os.path.exists(path) else ""
-    block = f"{MARK_BEGIN}\n{text}\n{MARK_END}"
-    if MARK_BEGIN in old and MARK_END in old:
-        head, rest = old.split(MARK_BEGIN, 1)
-        new = head + block + rest.split(MARK_END, 1)[1]
-    else:
-        new = old + ("\n" if old else "") + block + "\n"
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def save_json(args, device: torch.device, runs: list[dict], complete: bool) -> None:
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -459,7 +441,7 @@ def main(argv=None) -> None:
     if args.json:
         save_json(args, device, runs, complete=True)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, text, MARK_BEGIN, MARK_END)
     if any(k.endswith("loss") and not math.isfinite(v) for r in runs for k, v in r.items()
            if isinstance(v, float)):
         log("warning: a run ended with a non-finite loss")

@@ -59,6 +59,7 @@ from common import (  # noqa: E402
     hardware,
     median,
     timed,
+    write_section,
 )
 
 from hf_shampoo import DistributedShampoo, kronecker, linalg  # noqa: E402
@@ -327,7 +328,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, text, MARK_BEGIN, MARK_END)
 
 
 def parse_device(parser, name: str) -> torch.device:
@@ -559,19 +560,6 @@ def real_run_lines(args) -> list[str]:
                      f"{times[3 * f - 1]:.2f} | {share} |")
         print(lines[-1], file=sys.stderr)
     return lines
-
-
-def write_section(path: str, text: str) -> None:
-    """Replace the text between the step_time markers (append them if missing)."""
-    old = open(path).read() if os.path.exists(path) else ""
-    block = f"{MARK_BEGIN}\n{text}\n{MARK_END}"
-    if MARK_BEGIN in old and MARK_END in old:
-        head, rest = old.split(MARK_BEGIN, 1)
-        new = head + block + rest.split(MARK_END, 1)[1]
-    else:
-        new = old + ("\n" if old else "") + block + "\n"
-    with open(path, "w") as f:
-        f.write(new)
 
 
 if __name__ == "__main__":

@@ -142,8 +142,9 @@ def test_write_replaces_its_section_in_place(tiny, tmp_path):
     # a file without the markers gets the section appended
     plain = tmp_path / "plain.md"
     plain.write_text("# Other\n")
-    end_to_end.write_section(str(plain), "table")
-    end_to_end.write_section(str(plain), "table 2")
+    markers = end_to_end.MARK_BEGIN, end_to_end.MARK_END
+    end_to_end.write_section(str(plain), "table", *markers)
+    end_to_end.write_section(str(plain), "table 2", *markers)
     assert plain.read_text() == (f"# Other\n\n{end_to_end.MARK_BEGIN}\ntable 2\n"
                                  f"{end_to_end.MARK_END}\n")
 
