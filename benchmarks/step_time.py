@@ -344,13 +344,20 @@ def parse_device(parser, name: str) -> torch.device:
     return device
 
 
-def fixed_gradient_lines(args) -> list[str]:
-    """hf_shampoo (eigh, QR), Meta's implementation and AdamW on fixed gradients."""
+def params_and_grads(args) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``--model``'s parameters on ``--device`` and fixed gradients for them (drawn on the
+    CPU: the same gradients on every device)."""
     torch.manual_seed(0)
     model = build_model(args.model).to(args.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    g = torch.Generator().manual_seed(0)  # the same gradients on every device
+    g = torch.Generator().manual_seed(0)
     grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(args.device) for p in params]
+    return params, grads
+
+
+def fixed_gradient_lines(args) -> list[str]:
+    """hf_shampoo (eigh, QR), Meta's implementation and AdamW on fixed gradients."""
+    params, grads = params_and_grads(args)
 
     def label(tolerance: float, method: str) -> str:
         return f"qr, τ={tolerance:g}" + ("" if method == "householder" else f", {method}")
@@ -508,11 +515,7 @@ def _with_condition(n: int, d: int, condition: float) -> torch.Tensor:
 def staggered_lines(args) -> list[str]:
     """Per-step times with every refresh at once against the staggered schedule."""
     f = args.staggered
-    torch.manual_seed(0)
-    model = build_model(args.model).to(args.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    g = torch.Generator().manual_seed(0)
-    grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(args.device) for p in params]
+    params, grads = params_and_grads(args)
     lines = ["", f"#### Refresh schedules over one period, {args.model} shapes", "",
              f"Hardware: {hardware()}. precondition_frequency = start_preconditioning_step = "
              f"{f}, fixed gradients; steps {2 * f}-{3 * f - 1} timed (every block refreshes "
