@@ -1,9 +1,14 @@
-"""Shared helpers of the tests: deterministic gradients, an optimizer-vs-reference runner."""
+"""Shared helpers of the tests: the test device, deterministic gradients, an optimizer-vs-reference
+runner, the Trainer FSDP2 worker's launch and its checks."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -78,6 +83,36 @@ def run_against_reference(
     # the parameter moved at all (guards against a test that compares two no-ops)
     assert not torch.equal(param.detach(), w0)
     return ref
+
+
+def run_trainer_fsdp_worker(out_dir, state_dict_type: str, nproc: int, device: str = "cpu",
+                            timeout: int = 300) -> dict:
+    """``tests/trainer_fsdp_worker.py`` under ``torchrun --nproc_per_node nproc`` in a fresh
+    environment (no rank variables another test may have left, one thread per rank); the
+    result it wrote."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", str(nproc),
+                           str(root / "tests" / "trainer_fsdp_worker.py"),
+                           str(out_dir), state_dict_type, device],
+                          cwd=root, env=env, timeout=timeout, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((Path(out_dir) / f"result_{state_dict_type}.json").read_text())
+
+
+def assert_trainer_resumed_exactly(result: dict) -> None:
+    """The worker's run saved at step 4 and resumed matches the uninterrupted one, bit for
+    bit, with the optimizer sharded (DTensor parameters), and it trained."""
+    assert result["distributor"] == "ShardedDistributor"
+    assert result["dtensor_params"] > 0
+    for step in ("5", "6", "7", "8"):  # the resumed steps, bit for bit
+        assert result["losses_b"][step] == result["losses_a"][step]
+    assert result["losses_a"]["8"] < result["losses_a"]["1"]
+    assert result["params_equal"]
 
 
 @contextlib.contextmanager

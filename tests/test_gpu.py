@@ -13,17 +13,12 @@
 from __future__ import annotations
 
 import io
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, assert_trainer_resumed_exactly, run_trainer_fsdp_worker
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cuda",
                                 reason="needs HF_SHAMPOO_TEST_DEVICE=cuda and a GPU")
@@ -93,22 +88,9 @@ def test_checkpoint_moves_between_devices(kind, saved_on, resumed_on):
 
 @pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 def test_trainer_fsdp2_on_one_gpu_resumes_exactly(tmp_path, state_dict_type):
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "1", str(root / "tests" / "trainer_fsdp_worker.py"),
-                           str(tmp_path), state_dict_type, "cuda"],
-                          cwd=root, env=env, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / f"result_{state_dict_type}.json").read_text())
+    result = run_trainer_fsdp_worker(tmp_path, state_dict_type, nproc=1, device="cuda",
+                                     timeout=600)
     assert result["distributed_type"] == "DistributedType.FSDP"
     assert result["fsdp_version"] == 2 and result["backend"] == "nccl"
     assert result["param_devices"] == ["cuda:0"]
-    assert result["distributor"] == "ShardedDistributor"
-    assert result["dtensor_params"] > 0
-    for step in ("5", "6", "7", "8"):  # the resumed steps, bit for bit
-        assert result["losses_b"][step] == result["losses_a"][step]
-    assert result["losses_a"]["8"] < result["losses_a"]["1"]
-    assert result["params_equal"]
+    assert_trainer_resumed_exactly(result)

@@ -9,12 +9,8 @@ one-rank gloo group.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +19,11 @@ import torch.multiprocessing as mp
 
 from hf_shampoo import DistributedShampoo
 from tests import accelerate_fsdp_worker as worker
-from tests.helpers import one_thread_per_process
+from tests.helpers import (
+    assert_trainer_resumed_exactly,
+    one_thread_per_process,
+    run_trainer_fsdp_worker,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +58,8 @@ def test_accelerate_fsdp2_resume_is_exact(accelerate_runs, state_dict_type):
 def test_trainer_fsdp2_resume_is_exact(tmp_path):
     """The Trainer's own FSDP2 path (sharded state dict; a full one fails on a CPU in
     safetensors' model save, before the optimizer is reached)."""
-    root = Path(__file__).resolve().parents[1]
-    # a fresh environment for torchrun: no rank variables another test may have left here
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(root / "tests" / "trainer_fsdp_worker.py"),
-                           str(tmp_path), "SHARDED_STATE_DICT"],
-                          cwd=root, env=env, timeout=300, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "result_SHARDED_STATE_DICT.json").read_text())
-    assert result["distributor"] == "ShardedDistributor"
-    assert result["dtensor_params"] > 0
-    for step in ("5", "6", "7", "8"):  # the resumed steps, bit for bit
-        assert result["losses_b"][step] == result["losses_a"][step]
-    assert result["losses_a"]["8"] < result["losses_a"]["1"]
-    assert result["params_equal"]
+    result = run_trainer_fsdp_worker(tmp_path, "SHARDED_STATE_DICT", nproc=2)
+    assert_trainer_resumed_exactly(result)
 
 
 # ----------------------------------------------------------------- refusals
