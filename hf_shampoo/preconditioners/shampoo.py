@@ -77,14 +77,11 @@ class Shampoo(KroneckerFactored):
         scaled = workspace.get("refresh_scaled", vectors.shape, vectors.dtype, device)
         if not vectors.is_contiguous():  # column-major from eigh: keep its layout
             scaled = scaled.mT
-        if root.dtype != vectors.dtype:  # computed in the factors' dtype, stored cast
+        if root.dtype == vectors.dtype and picked.covers(local, root):
+            linalg.inverse_root_from_eigen(lam, vectors, exponent, root, scaled)
+        else:  # computed in the factors' dtype, stored in the roots' (a no-op cast if same)
             picked.put(root, local, linalg.inverse_root_from_eigen(
                 lam, vectors, exponent, scratch=scaled).to(root.dtype))
-        elif picked.covers(local, root):
-            linalg.inverse_root_from_eigen(lam, vectors, exponent, root, scaled)
-        else:
-            picked.put(root, local, linalg.inverse_root_from_eigen(
-                lam, vectors, exponent, scratch=scaled))
 
     def roots(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
         """``I_j`` per dim (None: the identity)."""
