@@ -243,9 +243,8 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_choice("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
                   INV_FACTOR_MATRIX_DTYPES)
     kind = group["preconditioner"]
-    if group["inv_factor_matrix_dtype"] is not None and kind != "diagonal" and (
-        kind != "shampoo" or group["quantization"] is not None
-    ):
+    has_roots = kind == "shampoo" and group["quantization"] is None
+    if group["inv_factor_matrix_dtype"] is not None and not (has_roots or kind == "diagonal"):
         _fail("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
               "it sets the dtype of the inverse roots of preconditioner='shampoo' without "
               "quantization (and has no effect with 'diagonal'): expected None here "
