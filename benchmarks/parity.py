@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -37,6 +38,7 @@ class Case:
     ours: dict  # DistributedShampoo keywords
     meta: Callable[[], dict]  # Meta's DistributedShampoo keywords (built lazily)
     tolerance: float | None = None  # None: the run's (--tolerance, 1e-6 in the test)
+    shapes: list | None = None  # None: SHAPES
 
 
 def _common(**kw) -> dict:
@@ -119,7 +121,99 @@ def cases(m) -> list[Case]:
                     lambda: _common(grafting_config=grafting("adam"),
                                     preconditioner_config=shampoo_cfg(
                                         inverse_exponent_override={2: {0: 0.0}, 1: 0.3}))))
-    return out + corrected_cases(m, grafting, ours_grafting)
+    return out + corrected_cases(m, grafting, ours_grafting) + descent_cases(
+        m, grafting, ours_grafting)
+
+
+# spectral descent takes matrices: Meta blocks >2-D parameters by merging dims up to
+# max_preconditioner_dim, so whole matrices (dim 0, the rest) need a bound above the rest
+MATRIX_SHAPES = [(6, 4), (40, 30), (3, 20), (5, 3, 3, 3)]
+
+
+def descent_cases(m, grafting, ours_grafting) -> list[Case]:
+    """Spectral descent (Newton–Schulz, SVD; whole matrices and blocks) and sign descent."""
+    from distributed_shampoo.preconditioner.matrix_functions_types import (
+        NewtonSchulzOrthogonalizationConfig,
+        SVDOrthogonalizationConfig,
+    )
+
+    def spectral(orthogonalization):
+        return m.SpectralDescentPreconditionerConfig(orthogonalization_config=orthogonalization)
+
+    def meta_spectral(**kw):
+        # a config of its own: Meta sets target_parameter_dimensionality=2 on the group's
+        # distributed config, which would otherwise be its shared default
+        return _common(distributed_config=m.SingleDeviceDistributedConfig(
+            target_parameter_dimensionality=2), **kw)
+
+    def meta_whole(**kw):
+        return meta_spectral(max_preconditioner_dim=64, **kw)
+
+    out: list[Case] = []
+    variants = {
+        "ns": (dict(), NewtonSchulzOrthogonalizationConfig),
+        "ns3_coefficients": (dict(newton_schulz_iterations=3,
+                                  newton_schulz_coefficients=(3.0, -3.2, 1.2)),
+                             lambda: NewtonSchulzOrthogonalizationConfig(
+                                 num_iterations=3, coefficients=(3.0, -3.2, 1.2))),
+        "svd": (dict(spectral_orthogonalization="svd"), SVDOrthogonalizationConfig),
+    }
+    for name, (ours, theirs) in variants.items():
+        out.append(Case(f"spectral_{name}_whole",
+                        _common(preconditioner="spectral_descent", max_preconditioner_dim=64,
+                                **ours),
+                        lambda theirs=theirs: meta_whole(
+                            preconditioner_config=spectral(theirs())),
+                        shapes=MATRIX_SHAPES))
+    for rule, scale_fn in (("original", original_scale), ("match_rms_adamw", rms_scale)):
+        out.append(Case(f"spectral_ns_whole_{rule}",
+                        _common(preconditioner="spectral_descent", max_preconditioner_dim=64,
+                                spectral_lr_adjustment=rule),
+                        lambda scale_fn=scale_fn: meta_whole(preconditioner_config=spectral(
+                            NewtonSchulzOrthogonalizationConfig(scale_by_dims_fn=scale_fn))),
+                        shapes=MATRIX_SHAPES))
+    out.append(Case("spectral_ns_blocks_wd_nesterov",
+                    _common(preconditioner="spectral_descent", weight_decay=0.05,
+                            beta3=0.81, use_bias_correction=False),
+                    lambda: meta_spectral(weight_decay=0.05, beta3=0.81,
+                                          use_bias_correction=False,
+                                          preconditioner_config=spectral(
+                                        NewtonSchulzOrthogonalizationConfig())),
+                    shapes=MATRIX_SHAPES[:3]))
+    out.append(Case("spectral_svd_graft_adam",
+                    _common(preconditioner="spectral_descent", max_preconditioner_dim=64,
+                            spectral_orthogonalization="svd", **ours_grafting("adam")),
+                    lambda: meta_whole(grafting_config=grafting("adam"),
+                                       preconditioner_config=spectral(
+                                           SVDOrthogonalizationConfig())),
+                    shapes=MATRIX_SHAPES))
+    out.append(Case("sign_descent",
+                    _common(preconditioner="sign_descent", momentum=0.5),
+                    lambda: _common(preconditioner_config=m.SignDescentPreconditionerConfig(),
+                                    iterate_averaging_config=m.ClassicMomentumConfig(
+                                        momentum=0.5, use_nesterov=False))))
+    out.append(Case("sign_descent_l1",
+                    _common(preconditioner="sign_descent", sign_scale="l1",
+                            weight_decay=0.05),
+                    lambda: _common(weight_decay=0.05,
+                                    preconditioner_config=m.SignDescentPreconditionerConfig(
+                                        scale_fn=l1_scale))))
+    return out
+
+
+def original_scale(d_in: int, d_out: int) -> float:
+    """torch.optim.Muon's "original" rule in Meta's terms (rows = d_out, cols = d_in)."""
+    return math.sqrt(max(1.0, d_out / d_in))
+
+
+def rms_scale(d_in: int, d_out: int) -> float:
+    """torch.optim.Muon's "match_rms_adamw" rule in Meta's terms."""
+    return 0.2 * math.sqrt(max(d_in, d_out))
+
+
+def l1_scale(grad: torch.Tensor) -> torch.Tensor:
+    """Meta's sign descent scale for steepest descent under the L-infinity norm."""
+    return grad.abs().sum()
 
 
 def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
@@ -196,8 +290,9 @@ def run_case(case: Case, steps: int, seed: int = 0, device: str | None = None) -
     def draw(shape):
         return torch.randn(shape, generator=g, dtype=F64, device="cpu").to(device)
 
-    initial = [draw(s) for s in SHAPES]
-    grads = [[draw(s) for s in SHAPES] for _ in range(steps)]
+    shapes = case.shapes or SHAPES
+    initial = [draw(s) for s in shapes]
+    grads = [[draw(s) for s in shapes] for _ in range(steps)]
     ours = [torch.nn.Parameter(w.clone()) for w in initial]
     theirs = [torch.nn.Parameter(w.clone()) for w in initial]
     opt_ours = DistributedShampoo(ours, factor_matrix_dtype=F64, **case.ours)

@@ -9,6 +9,7 @@ with indices in row-major order; that identity does not depend on the world size
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,15 +32,24 @@ def merged_shape(shape: Sequence[int], max_preconditioner_dim: int) -> tuple[int
     return tuple(merged)
 
 
+def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """A parameter as a matrix, for kinds that need one (spectral descent): ``(dim 0, the
+    product of the rest)``; 2-D parameters as they are. Needs at least 2 dims."""
+    if len(shape) < 2:
+        raise ValueError(f"a matrix needs at least 2 dims, got shape {tuple(shape)}")
+    return (int(shape[0]), math.prod(int(d) for d in shape[1:]))
+
+
 def _chunks(size: int, max_dim: int) -> list[tuple[int, int]]:
     return [(start, min(start + max_dim, size)) for start in range(0, size, max_dim)]
 
 
 def block_slices(
-    shape: Sequence[int], max_preconditioner_dim: int
+    shape: Sequence[int], max_preconditioner_dim: int, matrix: bool = False
 ) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
-    """The merged shape and, in row-major order, the slices of each block within it."""
-    merged = merged_shape(shape, max_preconditioner_dim)
+    """The merged shape (``matrix``: ``matrix_shape``) and, in row-major order, the slices
+    of each block within it."""
+    merged = matrix_shape(shape) if matrix else merged_shape(shape, max_preconditioner_dim)
     per_dim = [_chunks(d, max_preconditioner_dim) for d in merged]
     slices = [
         tuple(slice(a, b) for a, b in combo) for combo in itertools.product(*per_dim)
@@ -62,8 +72,9 @@ class ParamBlocking:
     slices: tuple[tuple[slice, ...], ...]
 
     @classmethod
-    def of(cls, shape: Sequence[int], max_preconditioner_dim: int) -> ParamBlocking:
-        merged, slices = block_slices(shape, max_preconditioner_dim)
+    def of(cls, shape: Sequence[int], max_preconditioner_dim: int,
+           matrix: bool = False) -> ParamBlocking:
+        merged, slices = block_slices(shape, max_preconditioner_dim, matrix)
         return cls(tuple(int(d) for d in shape), merged, tuple(slices))
 
     @property

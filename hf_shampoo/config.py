@@ -47,13 +47,35 @@ DEFAULTS: dict[str, Any] = {
     "num_trainers_per_group": -1,
     "assignment_cost": "memory",
     "refresh_schedule": "all",
+    "spectral_orthogonalization": "newton_schulz",
+    "newton_schulz_iterations": 5,
+    "newton_schulz_coefficients": (3.4445, -4.7750, 2.0315),
+    "newton_schulz_dtype": None,
+    "spectral_lr_adjustment": None,
+    "sign_scale": None,
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
 # "diagonal": no Kronecker factors; the grafting method alone is the update (biases, norms).
 # "kl_shampoo": KL-Shampoo (arXiv 2509.03378), Meta's RootInvKLShampooPreconditionerConfig:
 # roots as "shampoo", statistics from the gradient preconditioned by the other dims' roots.
-PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal", "kl_shampoo")
+# "spectral_descent": the orthogonalized filtered gradient of a matrix block (Muon; Meta's
+# SpectralDescentPreconditionerConfig); "sign_descent": its sign (Meta's
+# SignDescentPreconditionerConfig). Neither keeps statistics or refreshes anything.
+PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal", "kl_shampoo",
+                   "spectral_descent", "sign_descent")
+# kinds without statistics or amortized computation: precondition_frequency has no effect
+# and preconditioning starts at step 1 unless start_preconditioning_step says otherwise
+DESCENT_KINDS = ("spectral_descent", "sign_descent")
+# kinds that block every parameter as a matrix (dim 0, the rest) instead of merging dims
+MATRIX_KINDS = ("spectral_descent",)
+SPECTRAL_ORTHOGONALIZATIONS = ("newton_schulz", "svd")
+NEWTON_SCHULZ_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# torch.optim.Muon's adjust_lr_fn rules on a block of (rows, cols); None: scale 1 (Meta)
+SPECTRAL_LR_ADJUSTMENTS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+# sign descent's scale: None = 1 (Meta's default); "l1" = the block's ‖Ĝ‖₁ (steepest
+# descent under the L∞ norm)
+SIGN_SCALES = (None, "l1")
 # kinds whose preconditioner is a product of per-dim inverse roots (SPEC §2)
 ROOT_INVERSE_KINDS = ("shampoo", "kl_shampoo")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
@@ -191,16 +213,19 @@ def validate_group(group: dict[str, Any]) -> None:
         _fail("use_bias_correction", group["use_bias_correction"], "expected True or False")
     _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
     _check_int("precondition_frequency", group["precondition_frequency"], 1)
+    _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
     start = group["start_preconditioning_step"]
     if start is not None:
-        f = group["precondition_frequency"]
+        descent = group["preconditioner"] in DESCENT_KINDS
+        f = 1 if descent else group["precondition_frequency"]
         if not isinstance(start, numbers.Integral) or isinstance(start, bool) or start < f:
             _fail(
                 "start_preconditioning_step",
                 start,
+                "expected None or an integer >= 1 (preconditioner="
+                f"{group['preconditioner']!r} refreshes nothing)" if descent else
                 f"expected None or an integer >= precondition_frequency ({f})",
             )
-    _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
     _check_choice("eigendecomposition", group["eigendecomposition"], EIGENDECOMPOSITIONS)
     _check_real("eigenbasis_tolerance", group["eigenbasis_tolerance"], 0.0, 1.0)
     _check_int("qr_max_iterations", group["qr_max_iterations"], 1)
@@ -244,11 +269,14 @@ def validate_group(group: dict[str, Any]) -> None:
                   INV_FACTOR_MATRIX_DTYPES)
     kind = group["preconditioner"]
     has_roots = kind == "shampoo" and group["quantization"] is None
-    if group["inv_factor_matrix_dtype"] is not None and not (has_roots or kind == "diagonal"):
+    rootless = ("diagonal",) + DESCENT_KINDS
+    if group["inv_factor_matrix_dtype"] is not None and not (has_roots or kind in rootless):
         _fail("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
               "it sets the dtype of the inverse roots of preconditioner='shampoo' without "
-              "quantization (and has no effect with 'diagonal'): expected None here "
+              "quantization (and has no effect with 'diagonal', 'spectral_descent' and "
+              "'sign_descent'): expected None here "
               f"(preconditioner={kind!r}, quantization={group['quantization']!r})")
+    _check_descent(group)
     _check_choice("distributed", group["distributed"], DISTRIBUTED_MODES)
     _check_choice("fsdp_mode", group["fsdp_mode"], FSDP_MODES)
     _check_choice("communication_dtype", group["communication_dtype"], COMMUNICATION_DTYPES)
@@ -257,6 +285,23 @@ def validate_group(group: dict[str, Any]) -> None:
     n = group["num_trainers_per_group"]
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not (n == -1 or n >= 1):
         _fail("num_trainers_per_group", n, "expected -1 (the whole world) or an integer >= 1")
+
+
+def _check_descent(group: dict[str, Any]) -> None:
+    """The keywords of spectral and sign descent (valid in every group; used by those)."""
+    _check_choice("spectral_orthogonalization", group["spectral_orthogonalization"],
+                  SPECTRAL_ORTHOGONALIZATIONS)
+    _check_int("newton_schulz_iterations", group["newton_schulz_iterations"], 1)
+    coefficients = group["newton_schulz_coefficients"]
+    if not (isinstance(coefficients, (tuple, list)) and len(coefficients) == 3
+            and all(_is_real(c) for c in coefficients)):
+        _fail("newton_schulz_coefficients", coefficients,
+              "expected three finite real numbers (a, b, c) of the quintic iteration "
+              "X <- aX + b(XX^T)X + c(XX^T)^2 X")
+    _check_choice("newton_schulz_dtype", group["newton_schulz_dtype"], NEWTON_SCHULZ_DTYPES)
+    _check_choice("spectral_lr_adjustment", group["spectral_lr_adjustment"],
+                  SPECTRAL_LR_ADJUSTMENTS)
+    _check_choice("sign_scale", group["sign_scale"], SIGN_SCALES)
 
 
 def _check_corrected_override(value: Any) -> None:
@@ -273,14 +318,19 @@ def _check_corrected_override(value: Any) -> None:
 
 
 def start_step(group: dict[str, Any]) -> int:
-    """The first preconditioned step ``s`` (SPEC §2: None means precondition_frequency)."""
+    """The first preconditioned step ``s`` (None means precondition_frequency; 1 for the
+    descent kinds, which have nothing to accumulate first)."""
     start = group["start_preconditioning_step"]
-    return group["precondition_frequency"] if start is None else int(start)
+    if start is None:
+        return 1 if group["preconditioner"] in DESCENT_KINDS else group["precondition_frequency"]
+    return int(start)
 
 
 def is_refresh_step(group: dict[str, Any], step: int, offset: int = 0) -> bool:
     """SPEC §2: ``(t % f == 0 and t > s) or t == s``, with ``t`` the step minus the block's
     schedule offset (0 unless ``refresh_schedule="staggered"``)."""
+    if group["preconditioner"] in DESCENT_KINDS:
+        return False  # nothing to refresh
     f, s, t = group["precondition_frequency"], start_step(group), step - offset
     return (t % f == 0 and t > s) or t == s
 
@@ -296,7 +346,7 @@ def dim_exponents(group: dict[str, Any], order: int) -> list[float]:
     Shampoo: ``1/(2k)`` unless ``inverse_exponent_override`` says otherwise. Eigenvalue-
     corrected: 1.0 marks a rotated dim, 0 a dim that keeps the identity basis.
     """
-    if group["preconditioner"] == "diagonal":
+    if group["preconditioner"] in ("diagonal",) + DESCENT_KINDS:
         return [0.0] * order
     override = (group["inverse_exponent_override"] or {}).get(order)
     corrected = group["preconditioner"] == "eigenvalue_corrected"

@@ -35,6 +35,7 @@ from .config import (
 )
 from .distributed import Distributor, greedy_assignment, make_distributor
 from .linalg import finite_rows
+from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, ShampooNumericalError, StackStep, Workspace
 
 
@@ -102,10 +103,18 @@ class DistributedShampoo(torch.optim.Optimizer):
         num_trainers_per_group: int = DEFAULTS["num_trainers_per_group"],
         assignment_cost: str = DEFAULTS["assignment_cost"],
         refresh_schedule: str = DEFAULTS["refresh_schedule"],
+        spectral_orthogonalization: str = DEFAULTS["spectral_orthogonalization"],
+        newton_schulz_iterations: int = DEFAULTS["newton_schulz_iterations"],
+        newton_schulz_coefficients: tuple[float, float, float] = DEFAULTS[
+            "newton_schulz_coefficients"],
+        newton_schulz_dtype: torch.dtype | None = DEFAULTS["newton_schulz_dtype"],
+        spectral_lr_adjustment: str | None = DEFAULTS["spectral_lr_adjustment"],
+        sign_scale: str | None = DEFAULTS["sign_scale"],
     ) -> None:
         defaults = {key: value for key, value in locals().items() if key in DEFAULTS}
-        if isinstance(defaults["betas"], list):
-            defaults["betas"] = tuple(defaults["betas"])
+        for key in ("betas", "newton_schulz_coefficients"):
+            if isinstance(defaults[key], list):
+                defaults[key] = tuple(defaults[key])
         validate_group(defaults)
         self._layout: Layout | None = None
         self._consolidated: dict[str, Any] | None = None
@@ -160,6 +169,17 @@ class DistributedShampoo(torch.optim.Optimizer):
                     f"DistributedShampoo: parameter {index} has dtype {tensor.dtype}; "
                     "only floating-point parameters can be optimized"
                 )
+            if kind_of(merged).matrix_blocks and tensor.dim() < 2:
+                names = group.get("param_names")
+                name = params[index][0] if isinstance(params[index], tuple) else \
+                    names[index] if names else f"parameter {index} of the group"
+                raise ValueError(
+                    f"DistributedShampoo: preconditioner={merged['preconditioner']!r} "
+                    f"orthogonalizes matrices, but {name!r} has shape {tuple(tensor.shape)} "
+                    "(fewer than 2 dims); give vectors and scalars another kind, e.g. "
+                    "'diagonal' with grafting='adam', or build the optimizer with "
+                    "hf_shampoo.make_optimizer(model, preset='muon'), which does that"
+                )
         group.setdefault("peak_lr", float(merged["lr"]))
         group.setdefault("step", 0)
         super().add_param_group(group)
@@ -191,7 +211,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                 index = offsets[gi] + k
                 name = names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
                 blocking = ParamBlocking.of(self._distributor.blocking_shape(param),
-                                            group["max_preconditioner_dim"])
+                                            group["max_preconditioner_dim"],
+                                            kind_of(group).matrix_blocks)
                 blockings[index] = blocking
                 single = len(blocking.slices) == 1
                 blocks += [
@@ -376,7 +397,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                             for s in stacks for i, b in enumerate(s.members))
             for s in stacks:
                 s.refresh_offsets = [0] * len(s.members)
-            if key[0] != "staggered":
+            if key[0] != "staggered" or not kind_of(group).refreshes:
                 continue
             costs = [float(sum(d**3 for d in s.shape)) for _, _, s, _ in blocks]
             # with more offsets than blocks, LPT gives each block its own: only n are used

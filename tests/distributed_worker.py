@@ -51,7 +51,41 @@ SCENARIOS: dict[str, dict] = {
                           refresh_schedule="staggered"),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
+    # Muon: spectral descent on the matrices (blocks of 16), Adam on vectors and scalars
+    "muon": dict(lr=0.01, preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.9025,
+                 use_bias_correction=False, weight_decay=0.01,
+                 spectral_lr_adjustment="match_rms_adamw", max_preconditioner_dim=16,
+                 vectors=dict(preconditioner="diagonal", grafting="adam")),
+    "muon_whole_bf16_svd": dict(lr=0.01, preconditioner="spectral_descent",
+                                newton_schulz_dtype=torch.bfloat16, max_preconditioner_dim=64,
+                                vectors=dict(preconditioner="diagonal", grafting="adam",
+                                             spectral_orthogonalization="svd"),
+                                matrices_svd=True),
+    "sign_descent_l1": dict(lr=0.01, preconditioner="sign_descent", sign_scale="l1",
+                            momentum=0.5, max_preconditioner_dim=16),
 }
+
+
+# scenarios saved at step 3 on one world size and resumed on another
+CHECKPOINTED = ("shampoo_adam", "muon")
+
+
+def optimizer_for(params, config: dict, **extra) -> DistributedShampoo:
+    """``DistributedShampoo(params, **config)``; a config with ``vectors`` puts parameters
+    of fewer than 2 dims into a second group with those keywords (spectral descent takes
+    matrices only); ``matrices_svd`` adds an SVD group for every other matrix."""
+    config = {**config, **extra}
+    vectors = config.pop("vectors", None)
+    svd = config.pop("matrices_svd", False)
+    if vectors is None:
+        return DistributedShampoo(params, **config)
+    params = list(params)
+    matrices = [p for p in params if p.dim() >= 2]
+    groups = [{"params": matrices[0::2] if svd else matrices},
+              {"params": [p for p in params if p.dim() < 2], **vectors}]
+    if svd:
+        groups.append({"params": matrices[1::2], "spectral_orthogonalization": "svd"})
+    return DistributedShampoo([g for g in groups if g["params"]], **config)
 
 
 @contextlib.contextmanager
@@ -89,7 +123,7 @@ def set_grads(params, step: int, no_grad=NO_GRAD) -> None:
 def train(config: dict, steps: int = STEPS, shapes=SHAPES, params=None, optimizer=None,
           first_step: int = 1):
     params = params if params is not None else make_params(shapes)
-    opt = optimizer or DistributedShampoo(params, **config)
+    opt = optimizer or optimizer_for(params, config)
     with small_factors_quantized(config):
         for step in range(first_step, first_step + steps):
             set_grads(params, step)
@@ -168,21 +202,23 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
     opt.consolidate_state_dict(to=[0, world - 1])  # e.g. the first rank of each node
     results["consolidated"] = opt.state_dict() if rank in (0, world - 1) else None
     # sharded save at step 3, uninterrupted continuation to step 6
-    config = SCENARIOS["shampoo_adam"]
-    params, opt = train(config, steps=3)
-    save_sharded(opt, os.path.join(out_dir, f"sharded{world}"))
-    if rank == 0:
-        torch.save([p.detach().clone() for p in params],
-                   os.path.join(out_dir, f"sharded{world}", "params.pt"))
-    train(config, steps=3, params=params, optimizer=opt, first_step=4)
-    results["uninterrupted"] = [p.detach().clone() for p in params]
-    if resume_dir is not None:  # resume another world size's checkpoint here
-        params = [torch.nn.Parameter(t) for t in
-                  torch.load(os.path.join(resume_dir, "params.pt"), weights_only=True)]
-        opt = DistributedShampoo(params, **config)
-        load_sharded(opt, resume_dir)
+    for name in CHECKPOINTED:
+        config = SCENARIOS[name]
+        directory = os.path.join(out_dir, f"sharded{world}_{name}")
+        params, opt = train(config, steps=3)
+        save_sharded(opt, directory)
+        if rank == 0:
+            torch.save([p.detach().clone() for p in params], os.path.join(directory, "params.pt"))
         train(config, steps=3, params=params, optimizer=opt, first_step=4)
-        results["resumed"] = [p.detach().clone() for p in params]
+        results[f"uninterrupted_{name}"] = [p.detach().clone() for p in params]
+        if resume_dir is not None:  # resume another world size's checkpoint here
+            saved = f"{resume_dir}_{name}"
+            params = [torch.nn.Parameter(t) for t in
+                      torch.load(os.path.join(saved, "params.pt"), weights_only=True)]
+            opt = optimizer_for(params, config)
+            load_sharded(opt, saved)
+            train(config, steps=3, params=params, optimizer=opt, first_step=4)
+            results[f"resumed_{name}"] = [p.detach().clone() for p in params]
     # a NaN gradient at a refresh step: every rank raises (the owner names the parameter),
     # none waits in the all-gather, and no parameter moves
     from hf_shampoo import ShampooNumericalError

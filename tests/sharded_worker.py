@@ -34,7 +34,8 @@ PLAIN = {5}
 NO_GRAD = {1: (2, 3)}  # parameter 1 has no gradient at steps 2 and 3
 SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (
     "shampoo_adam", "eigen_qr", "rmsprop_nesterov_l2", "adagrad_corrected_beta3",
-    "staggered_eigen_qr", "bf16_communication", "shampoo_4bit", "eigen_qr_4bit")}
+    "staggered_eigen_qr", "bf16_communication", "shampoo_4bit", "eigen_qr_4bit", "muon",
+    "muon_whole_bf16_svd", "sign_descent_l1")}
 SCENARIOS["decoupled_momentum"] = dict(lr=0.01, grafting="adam", momentum=0.5,
                                        weight_decay=0.05, precondition_frequency=2,
                                        max_preconditioner_dim=16)
@@ -98,7 +99,7 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 def train_one_process(config: dict, steps: int = STEPS, shapes=SHAPES):
     """The reference: the same parameters and gradients, plain tensors, one process."""
     params = [torch.nn.Parameter(t) for t in full_params(shapes)]
-    opt = DistributedShampoo(params, **{**config, "distributed": "none"})
+    opt = ddp_worker.optimizer_for(params, config, distributed="none")
     with ddp_worker.small_factors_quantized(config):
         for step in range(1, steps + 1):
             for p, grad in zip(params, full_grads(step, shapes)):
@@ -110,7 +111,7 @@ def train_one_process(config: dict, steps: int = STEPS, shapes=SHAPES):
 def train(mesh, config: dict, steps: int = STEPS, params=None, optimizer=None,
           first_step: int = 1, between=None):
     params = params if params is not None else sharded_params(mesh)
-    opt = optimizer or DistributedShampoo(params, **config)
+    opt = optimizer or ddp_worker.optimizer_for(params, config)
     with ddp_worker.small_factors_quantized(config):
         for step in range(first_step, first_step + steps):
             set_sharded_grads(params, mesh, step)
@@ -132,12 +133,16 @@ def state_numel(opt) -> int:
                for t in entry.values())
 
 
-def _checkpoints(mesh, out_dir: str, resume_dir: str | None, results: dict) -> None:
-    config = SCENARIOS["shampoo_adam"]
+# scenarios saved and resumed through torch.distributed.checkpoint
+CHECKPOINTED = ddp_worker.CHECKPOINTED
+
+
+def _checkpoints(mesh, out_dir: str, resume_dir: str | None, results: dict, name: str) -> None:
+    config = SCENARIOS[name]
     world = dist.get_world_size()
     # save through torch's helpers at step 3 (grads cleared first, as after zero_grad),
     # then go on: the save must not change the trajectory
-    path = os.path.join(out_dir, f"dcp{world}")
+    path = os.path.join(out_dir, f"dcp{world}_{name}")
 
     def save_at_3(step, params, opt):
         if step == 3:
@@ -149,10 +154,10 @@ def _checkpoints(mesh, out_dir: str, resume_dir: str | None, results: dict) -> N
                 torch.save([full(p) for p in params], os.path.join(path, "params.pt"))
             else:
                 [full(p) for p in params]  # full_tensor is a collective
-            results["saved_keys"] = sorted(str(k) for k in state["state"])
+            results[f"saved_keys_{name}"] = sorted(str(k) for k in state["state"])
 
     params, _ = train(mesh, config, steps=6, between=save_at_3)
-    results["dcp_uninterrupted"] = [full(p) for p in params]
+    results[f"dcp_uninterrupted_{name}"] = [full(p) for p in params]
 
     # full state dict after consolidation onto every rank, loaded back into a fresh optimizer
     params, opt = train(mesh, config, steps=3)
@@ -161,23 +166,24 @@ def _checkpoints(mesh, out_dir: str, resume_dir: str | None, results: dict) -> N
     full_state = get_optimizer_state_dict(model, opt, options=StateDictOptions(
         full_state_dict=True))
     fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    fresh = DistributedShampoo(fresh_params, **config)
+    fresh = ddp_worker.optimizer_for(fresh_params, config)
     set_optimizer_state_dict(as_module(fresh_params), fresh, full_state,
                              options=StateDictOptions(full_state_dict=True))
     train(mesh, config, steps=3, params=fresh_params, optimizer=fresh, first_step=4)
-    results["full_resumed"] = [full(p) for p in fresh_params]
+    results[f"full_resumed_{name}"] = [full(p) for p in fresh_params]
 
     if resume_dir is not None:  # another world size's sharded checkpoint, resumed here
+        resume_dir = f"{resume_dir}_{name}"
         saved = torch.load(os.path.join(resume_dir, "params.pt"), weights_only=True)
         params = [torch.nn.Parameter(distribute_tensor(t, mesh, placements(mesh)))
                   if i not in PLAIN else torch.nn.Parameter(t) for i, t in enumerate(saved)]
-        opt = DistributedShampoo(params, **config)
+        opt = ddp_worker.optimizer_for(params, config)
         model = as_module(params)
         state = {"optimizer": get_optimizer_state_dict(model, opt)}
         dcp.load(state, checkpoint_id=resume_dir)
         set_optimizer_state_dict(model, opt, state["optimizer"])
         train(mesh, config, steps=3, params=params, optimizer=opt, first_step=4)
-        results["dcp_resumed"] = [full(p) for p in params]
+        results[f"dcp_resumed_{name}"] = [full(p) for p in params]
 
 
 def _non_finite_refresh(mesh, results: dict) -> None:
@@ -253,7 +259,8 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
                              "state_numel": state_numel(opt),
                              "kind": type(opt._distributor).__name__,
                              "bytes": opt._distributor.bytes_last_step}
-        _checkpoints(mesh, out_dir, resume_dir, results)
+        for name in CHECKPOINTED:
+            _checkpoints(mesh, out_dir, resume_dir, results, name)
         _non_finite_refresh(mesh, results)
         _local_mode(mesh, results)
         _fully_shard_model(mesh, results)

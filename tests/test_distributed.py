@@ -113,34 +113,36 @@ def test_consolidated_state_equals_one_process_state(runs):
         assert all(r["consolidated"] is None for r in runs[world][1:-1])
 
 
-def test_sharded_checkpoint_resumes_on_one_and_three_ranks(runs):
-    config = worker.SCENARIOS["shampoo_adam"]
-    uninterrupted = runs[2][0]["uninterrupted"]
+@pytest.mark.parametrize("name", worker.CHECKPOINTED)
+def test_sharded_checkpoint_resumes_on_one_and_three_ranks(runs, name):
+    config = worker.SCENARIOS[name]
+    uninterrupted = runs[2][0][f"uninterrupted_{name}"]
     for rank_result in runs[2]:
-        _assert_bitwise(rank_result["uninterrupted"], uninterrupted)
+        _assert_bitwise(rank_result[f"uninterrupted_{name}"], uninterrupted)
     # saved on 2 ranks, resumed on 3
     for rank_result in runs[3]:
-        _assert_bitwise(rank_result["resumed"], uninterrupted)
+        _assert_bitwise(rank_result[f"resumed_{name}"], uninterrupted)
     # saved on 2 ranks, resumed in one process
-    directory = os.path.join(runs["root"], "w2", "sharded2")
+    directory = os.path.join(runs["root"], "w2", f"sharded2_{name}")
     params = [torch.nn.Parameter(t) for t in
               torch.load(os.path.join(directory, "params.pt"), weights_only=True)]
-    opt = DistributedShampoo(params, **config)
+    opt = worker.optimizer_for(params, config)
     load_sharded(opt, directory)
     worker.train(config, steps=3, params=params, optimizer=opt, first_step=4)
     _assert_bitwise([p.detach() for p in params], uninterrupted)
 
 
-def test_consolidated_checkpoint_file_resumes_in_one_process(runs, tmp_path):
-    config = worker.SCENARIOS["shampoo_adam"]
-    directory = os.path.join(runs["root"], "w3", "sharded3")  # saved on 3 ranks
+@pytest.mark.parametrize("name", worker.CHECKPOINTED)
+def test_consolidated_checkpoint_file_resumes_in_one_process(runs, tmp_path, name):
+    config = worker.SCENARIOS[name]
+    directory = os.path.join(runs["root"], "w3", f"sharded3_{name}")  # saved on 3 ranks
     consolidate_checkpoint(directory, tmp_path / "optimizer.pt")
     params = [torch.nn.Parameter(t) for t in
               torch.load(os.path.join(directory, "params.pt"), weights_only=True)]
-    opt = DistributedShampoo(params, **config)
+    opt = worker.optimizer_for(params, config)
     opt.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
     worker.train(config, steps=3, params=params, optimizer=opt, first_step=4)
-    _assert_bitwise([p.detach() for p in params], runs[3][0]["uninterrupted"])
+    _assert_bitwise([p.detach() for p in params], runs[3][0][f"uninterrupted_{name}"])
 
 
 @pytest.mark.parametrize("scenario", ["ddp", "accelerate"])

@@ -100,27 +100,30 @@ def test_every_rank_moves_some_bytes_and_only_rows_it_lacks(runs, mesh):
         assert 0 < sent_and_received < 2 * 4 * numel
 
 
+@pytest.mark.parametrize("name", worker.CHECKPOINTED)
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_saving_through_dcp_helpers_does_not_change_the_trajectory(runs, mesh):
-    expected = worker.train_one_process(worker.SCENARIOS["shampoo_adam"], steps=6)
+def test_saving_through_dcp_helpers_does_not_change_the_trajectory(runs, mesh, name):
+    expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[mesh]:
-        _assert_bitwise(rank_result["dcp_uninterrupted"], expected)
-    keys = [set(r["saved_keys"]) for r in runs[mesh]]
+        _assert_bitwise(rank_result[f"dcp_uninterrupted_{name}"], expected)
+    keys = [set(r[f"saved_keys_{name}"]) for r in runs[mesh]]
     assert set().union(*keys) == {f"p{i}" for i in range(len(worker.SHAPES))}
 
 
+@pytest.mark.parametrize("name", worker.CHECKPOINTED)
 @pytest.mark.parametrize("mesh", ["w3", "hsdp"])
-def test_sharded_checkpoint_resumes_at_another_world_size(runs, mesh):
-    expected = worker.train_one_process(worker.SCENARIOS["shampoo_adam"], steps=6)
+def test_sharded_checkpoint_resumes_at_another_world_size(runs, mesh, name):
+    expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[mesh]:
-        _assert_bitwise(rank_result["dcp_resumed"], expected)
+        _assert_bitwise(rank_result[f"dcp_resumed_{name}"], expected)
 
 
+@pytest.mark.parametrize("name", worker.CHECKPOINTED)
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_full_state_dict_after_consolidation_round_trips(runs, mesh):
-    expected = worker.train_one_process(worker.SCENARIOS["shampoo_adam"], steps=6)
+def test_full_state_dict_after_consolidation_round_trips(runs, mesh, name):
+    expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[mesh]:
-        _assert_bitwise(rank_result["full_resumed"], expected)
+        _assert_bitwise(rank_result[f"full_resumed_{name}"], expected)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

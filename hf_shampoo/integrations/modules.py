@@ -10,7 +10,9 @@ their first name) a role from the module that owns it, and each role a configura
   (``preconditioner="diagonal"``);
 - convolution kernels and matrices get full Shampoo; kernels are merged by SPEC §1.
 
-Presets bundle these rules (``"transformer"``, ``"cnn"``, ``"none"``); ``overrides`` map
+Presets bundle these rules (``"transformer"``, ``"cnn"``, ``"muon"``, ``"none"``); the
+``"muon"`` preset gives hidden matrices and conv kernels spectral descent on whole matrices
+(Muon, docs/muon.md) and everything else Adam. ``overrides`` map
 glob patterns over parameter or module names to keywords. ``describe(optimizer)`` prints the
 result per parameter: shape, blocks, preconditioner, owning rank. Only the public interface
 of ``DistributedShampoo`` is used.
@@ -71,6 +73,7 @@ class Preset:
     diagonal_roles: frozenset[str]
     vocab_rule: bool  # look for vocabulary-sized dims beyond embedding tables
     no_decay: Callable[[ParamInfo], bool]
+    spectral_roles: frozenset[str] = frozenset()  # spectral descent on whole matrices
 
 
 def hf_no_decay(info: ParamInfo) -> bool:
@@ -86,13 +89,24 @@ def vector_no_decay(info: ParamInfo) -> bool:
     return info.param.ndim <= 1 or info.role in ("bias", "norm")
 
 
+def muon_no_decay(info: ParamInfo) -> bool:
+    """The muon preset's rule: the Trainer's, and every tensor of ndim <= 1 as timm's."""
+    return hf_no_decay(info) or vector_no_decay(info)
+
+
 PRESETS: dict[str, Preset] = {
     "transformer": Preset(
         "transformer", frozenset({"bias", "norm", "vector"}), True, hf_no_decay
     ),
     "cnn": Preset("cnn", frozenset({"bias", "norm", "vector"}), False, vector_no_decay),
     "none": Preset("none", frozenset(), False, lambda info: False),
+    # Muon: hidden matrices and conv kernels (as (out, rest)) by spectral descent; embedding
+    # tables, vocabulary projections, norms, biases and other vectors by Adam
+    "muon": Preset("muon", frozenset({"bias", "norm", "vector", "embedding", "vocab"}), True,
+                   muon_no_decay, spectral_roles=frozenset({"matrix", "conv"})),
 }
+# the muon preset's matrices are never cut: one block per matrix, whatever its size
+WHOLE_MATRIX = 2**31 - 1
 
 
 # ---------------------------------------------------------------------- model walk
@@ -218,6 +232,8 @@ def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]
     """The preset's keywords for one parameter, given the keywords that will apply to it."""
     if info.role in preset.diagonal_roles:
         return _diagonal(effective)
+    if info.role in preset.spectral_roles:
+        return _spectral(effective)
     if info.role == "embedding" or (info.role == "vocab" and preset.vocab_rule):
         merged = merged_shape(info.param.shape, effective["max_preconditioner_dim"])
         if len(merged) != info.param.ndim:  # small table merged into one dim: no vocab factor
@@ -230,6 +246,19 @@ def _diagonal(effective: Mapping[str, Any]) -> dict:
     keywords: dict[str, Any] = {"preconditioner": "diagonal"}
     if effective.get("grafting") is None:  # e.g. SOAP without grafting: Adam for vectors
         keywords["grafting"] = "adam"
+    return keywords
+
+
+def _spectral(effective: Mapping[str, Any]) -> dict:
+    """Muon on a whole matrix: no grafting (its own scale), Nesterov momentum from
+    ``betas[0]`` unless ``beta3`` is set, and AdamW's update RMS unless
+    ``spectral_lr_adjustment`` is set, so one learning rate serves both kinds."""
+    keywords: dict[str, Any] = {"preconditioner": "spectral_descent",
+                                "max_preconditioner_dim": WHOLE_MATRIX, "grafting": None}
+    if effective.get("beta3") is None:
+        keywords["beta3"] = effective["betas"][0] ** 2
+    if effective.get("spectral_lr_adjustment") is None:
+        keywords["spectral_lr_adjustment"] = "match_rms_adamw"
     return keywords
 
 

@@ -2,8 +2,9 @@
 
 Two routes build the same optimizer from a model and ``TrainingArguments``:
 
-- **by name** — ``register()`` adds ``"distributed_shampoo"`` to transformers' optimizer
-  names, so that a plain ``Trainer`` (and ``--optim distributed_shampoo`` on the command
+- **by name** — ``register()`` adds ``"distributed_shampoo"`` and ``"distributed_muon"``
+  (the same optimizer with the ``"muon"`` module preset) to transformers' optimizer names,
+  so that a plain ``Trainer`` (and ``--optim distributed_shampoo`` on the command
   line) uses it, and adds ``ShampooCheckpointCallback`` to every Trainer. ``import hf_shampoo``
   arranges this lazily through ``register_on_import()``: transformers is patched when its
   modules load, never imported by ``hf_shampoo`` itself (``from transformers import Trainer``
@@ -40,6 +41,13 @@ from .modules import PRESETS, check_override, hf_no_decay, param_groups, walk
 
 OPTIMIZER_NAME = "distributed_shampoo"
 _MEMBER_NAME = "DISTRIBUTED_SHAMPOO"
+# Muon by name: the same optimizer with the "muon" module preset (spectral descent on
+# hidden matrices, Adam elsewhere; docs/muon.md)
+MUON_NAME = "distributed_muon"
+_MUON_MEMBER_NAME = "DISTRIBUTED_MUON"
+# the names this package registers, and the module preset each implies
+OPTIMIZER_NAMES = {OPTIMIZER_NAME: None, MUON_NAME: "muon"}
+_MEMBERS = {OPTIMIZER_NAME: _MEMBER_NAME, MUON_NAME: _MUON_MEMBER_NAME}
 # Registration by name patches transformers internals; it is tested on 5.23 and written for
 # 4.46 <= version < 6 (4.x through a wrapper of Trainer.get_optimizer_cls_and_kwargs).
 MIN_TRANSFORMERS_VERSION = "4.46.0"
@@ -293,7 +301,7 @@ def _build(
     weight_decay = groups_defaults.pop("weight_decay")
     kwargs["params"] = param_groups(
         model,
-        preset or parsed.preset or "transformer",
+        preset or parsed.preset or OPTIMIZER_NAMES.get(_optim_name(args)) or "transformer",
         all_overrides,
         weight_decay=weight_decay,
         decay_parameter_names=decay_parameter_names,
@@ -326,9 +334,14 @@ def optimizer_cls_and_kwargs(
 
 
 # ---------------------------------------------------------------------- callback & trainer
-def _uses_shampoo(args: Any) -> bool:
+def _optim_name(args: Any) -> str:
     optim = getattr(args, "optim", None)
-    return str(getattr(optim, "value", optim)) == OPTIMIZER_NAME
+    return str(getattr(optim, "value", optim))
+
+
+def _uses_shampoo(args: Any) -> bool:
+    """Whether ``args.optim`` is one of this package's names."""
+    return _optim_name(args) in OPTIMIZER_NAMES
 
 
 def _will_save_optimizer(args: Any, control: Any) -> bool:
@@ -492,19 +505,17 @@ def _handler(ctx: Any) -> tuple[type, dict[str, Any]]:
 
 
 def _patch_training_args(module: Any) -> None:
-    _add_enum_member(module.OptimizerNames, _MEMBER_NAME, OPTIMIZER_NAME)
+    for name, member in _MEMBERS.items():
+        _add_enum_member(module.OptimizerNames, member, name)
 
 
 def _patch_trainer_optimizer(module: Any) -> None:
     handlers = getattr(module, "_OPTIMIZER_HANDLERS", None)
     if handlers is None:
         return  # transformers 4.x: _patch_trainer wraps get_optimizer_cls_and_kwargs instead
-    member = _add_enum_member(
-        importlib.import_module("transformers.training_args").OptimizerNames,
-        _MEMBER_NAME,
-        OPTIMIZER_NAME,
-    )
-    handlers.setdefault(member, _handler)
+    names = importlib.import_module("transformers.training_args").OptimizerNames
+    for name, member_name in _MEMBERS.items():
+        handlers.setdefault(_add_enum_member(names, member_name, name), _handler)
 
 
 def _patch_trainer(module: Any) -> None:
@@ -568,9 +579,11 @@ def register() -> bool:
 
 
 def is_registered() -> bool:
-    """Whether ``TrainingArguments(optim="distributed_shampoo")`` is accepted (so far)."""
+    """Whether ``TrainingArguments(optim="distributed_shampoo")`` and ``"distributed_muon"``
+    are accepted (so far)."""
     module = sys.modules.get("transformers.training_args")
-    return module is not None and OPTIMIZER_NAME in module.OptimizerNames._value2member_map_
+    return module is not None and all(
+        name in module.OptimizerNames._value2member_map_ for name in OPTIMIZER_NAMES)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

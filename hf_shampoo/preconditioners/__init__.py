@@ -13,9 +13,12 @@ from .eigenvalue_corrected import EigenvalueCorrected
 from .kl_shampoo import KLShampoo
 from .quantized import QuantizedEigenvalueCorrected, QuantizedShampoo
 from .shampoo import Shampoo
+from .sign_descent import SignDescent
+from .spectral_descent import SpectralDescent
 
 KINDS: dict[str, Preconditioner] = {
-    kind.name: kind for kind in (Shampoo(), EigenvalueCorrected(), Diagonal(), KLShampoo())
+    kind.name: kind for kind in (Shampoo(), EigenvalueCorrected(), Diagonal(), KLShampoo(),
+                                 SpectralDescent(), SignDescent())
 }
 # quantization="4bit": the kinds that keep their factors in 4 bits (the others have none)
 QUANTIZED_KINDS: dict[str, Preconditioner] = {

@@ -26,6 +26,10 @@ class Preconditioner:
     # whether the direction is rescaled to the grafting method's norm (SPEC §2 line 5);
     # False for a kind whose direction is the grafting direction itself
     grafted: bool = True
+    # whether parameters are blocked as matrices (dim 0, the rest) instead of by merging
+    matrix_blocks: bool = False
+    # whether the kind has an amortized computation (refresh steps, a staggered schedule)
+    refreshes: bool = True
 
     def preconditioned_dims(self, group: dict, order: int) -> list[int]:
         """Dims with a Kronecker factor."""
