@@ -13,7 +13,9 @@ by name or a ``save_to_disk`` directory instead):
   validation loss.
 
 Optimizers: AdamW, SGD with Nesterov momentum (ResNet only), Shampoo with Adam grafting,
-eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo. Every run uses a linear
+eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo, and on GPT-2 Muon twice:
+ours (``make_optimizer(model, preset="muon")``) and torch.optim.Muon on the hidden matrices
+with AdamW on the rest, as users combine them by hand. Every run uses a linear
 warm-up over the first 5 % of steps and a cosine decay to zero. The learning rate of each
 optimizer is the value with the lowest mean training loss over the last 20 % of steps
 (seed 0) among a grid (1e-3, 3e-3, 1e-2; SGD 0.03, 0.1, 0.3) extended along the 1-3-10
@@ -53,6 +55,7 @@ from common import hardware  # noqa: E402
 from tasks import CONTEXT, image_dataset, make_gpt2, make_resnet, text_tokens, windows_of  # noqa: E402
 
 from hf_shampoo import DistributedShampoo  # noqa: E402
+from hf_shampoo.integrations.modules import make_optimizer  # noqa: E402
 
 SHAMPOO = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
                grafting_epsilon=1e-8, weight_decay=1e-4, max_preconditioner_dim=128,
@@ -72,7 +75,12 @@ class Optimizer:
     tasks: tuple[str, ...] = ("resnet", "gpt2")
     default: bool = True  # False: runs only when named in --optimizers
 
-    def build(self, params, lr: float) -> torch.optim.Optimizer:
+    def build(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        params = model.parameters()
+        if self.kind == "muon":  # ours: the module preset picks Muon or Adam per parameter
+            return make_optimizer(model, preset="muon", lr=lr, **self.keywords)
+        if self.kind == "torch_muon":
+            return torch_muon_and_adamw(model, lr)
         if self.kind == "adamw":
             return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=1e-4)
         if self.kind == "sgd":
@@ -94,7 +102,46 @@ OPTIMIZERS = {
     "4-bit Shampoo (statistics at refreshes)": Optimizer(
         "shampoo", dict(SHAMPOO, quantization="4bit"), default=False),
 }
+# Muon as users set it up today (torch.optim.Muon on the hidden matrices, AdamW on the rest,
+# Moonshot's lr adjustment so that one lr serves both) and ours by the "muon" preset (the
+# same split, Nesterov momentum betas[0] = 0.9, the same adjustment): GPT-2 only
+OPTIMIZERS["Muon (hf_shampoo, muon preset)"] = Optimizer(
+    "muon", dict(betas=(0.9, 0.999), grafting_beta2=0.999, grafting_epsilon=1e-8,
+                 weight_decay=1e-4), tasks=("gpt2",))
+OPTIMIZERS["torch.optim.Muon + AdamW"] = Optimizer("torch_muon", tasks=("gpt2",))
 BASE = "Shampoo (Adam grafting)"
+
+
+class _Both(torch.optim.Optimizer):
+    """Two optimizers stepped together, with their param groups in one list (for one lr
+    scheduler), as a training loop with torch.optim.Muon + AdamW does by hand."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        self.defaults = {}
+        self.state = {}
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    def step(self, closure=None):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def torch_muon_and_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """torch.optim.Muon (momentum 0.95, Nesterov, "match_rms_adamw") on the 2-D weights that
+    are not embeddings, AdamW on everything else; weight decay 1e-4 as the others."""
+    hidden, rest = [], []
+    for name, p in model.named_parameters():
+        embedding = name.endswith(("wte.weight", "wpe.weight", "lm_head.weight"))
+        (hidden if p.ndim == 2 and not embedding else rest).append(p)
+    return _Both(torch.optim.Muon(hidden, lr=lr, momentum=0.95, nesterov=True,
+                                  weight_decay=1e-4, adjust_lr_fn="match_rms_adamw"),
+                 torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.999), weight_decay=1e-4))
 
 # One change at a time against BASE, at BASE's swept learning rate.
 ABLATIONS = {
@@ -191,7 +238,7 @@ def train(task: Task, optimizer: Optimizer, lr: float, seed: int, steps: int) ->
     """One run: training losses and cumulative CPU seconds per step, final metrics. A
     non-finite loss ends the run (``diverged``)."""
     model = task.model(seed)
-    opt = optimizer.build(model.parameters(), lr)
+    opt = optimizer.build(model, lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
     losses, seconds = [], []
     start = time.process_time()

@@ -144,7 +144,7 @@ def finish_direction(
     elif not owned:
         direction = copy_into.copy_(direction)
     if alpha is not None:
-        direction.add_(param.mul_(alpha))
+        direction.add_(param, alpha=alpha)  # as Meta: one pass, W left as it is
     if mu > 0:
         dampening = group["dampening"]
         buf = state["momentum"]

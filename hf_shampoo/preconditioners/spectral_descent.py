@@ -12,6 +12,7 @@ state of its own; momentum is the filtered gradient (``betas[0]``, ``beta3`` for
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..orthogonalization import lr_adjustment, newton_schulz, svd_orthogonalize
@@ -28,7 +29,7 @@ class SpectralDescent(Preconditioner):
 
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch) -> Tensor:
         group = job.group
-        if group["spectral_orthogonalization"] == "svd":
+        if group["spectral_orthogonalization"] == "svd":  # in the factor dtype
             orthogonal = svd_orthogonalize(filtered.to(group["factor_matrix_dtype"]))
         else:
             orthogonal = newton_schulz(
@@ -39,4 +40,6 @@ class SpectralDescent(Preconditioner):
         scale = lr_adjustment(group["spectral_lr_adjustment"], rows, cols)
         if scale == 1.0:
             return out.copy_(orthogonal)
-        return out.copy_(orthogonal).mul_(scale)
+        if orthogonal.dtype == out.dtype:
+            return torch.mul(orthogonal, scale, out=out)
+        return out.copy_(orthogonal).mul_(scale)  # scaled in out's (wider) dtype

@@ -1,0 +1,161 @@
+"""Muon from the public interface: the "muon" module preset, ``describe()``, the Trainer by
+name (``optim="distributed_muon"``, ``optim_args="preset=muon"``), the command line and an
+unmodified HF script that saves, resumes (bit for bit) and runs under two ranks."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from hf_shampoo import DistributedShampoo
+from hf_shampoo.integrations import transformers as hft
+from hf_shampoo.integrations.modules import WHOLE_MATRIX, describe, describe_rows, make_optimizer
+from tests.test_integration_transformers import (
+    WORKER,
+    WORKER_ARGS,
+    check_resume,
+    dataset,
+    group_of,
+    run,
+    shampoo_of,
+    tiny_gpt2,
+    training_args,
+)
+
+HIDDEN = ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
+          "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight")
+ADAM = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+        "transformer.h.0.attn.c_attn.bias")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert hft.register()
+
+
+def kinds(optimizer: DistributedShampoo) -> dict[str, str]:
+    return {name: g["preconditioner"] for g in optimizer.param_groups
+            for name in g["param_names"]}
+
+
+def check_muon_groups(optimizer: DistributedShampoo, beta1: float) -> None:
+    found = kinds(optimizer)
+    for name in HIDDEN:
+        group = group_of(optimizer, name)
+        assert found[name] == "spectral_descent"
+        assert group["grafting"] is None and group["max_preconditioner_dim"] == WHOLE_MATRIX
+        assert group["beta3"] == pytest.approx(beta1**2)  # Nesterov
+        assert group["spectral_lr_adjustment"] == "match_rms_adamw"
+    for name in ADAM:
+        group = group_of(optimizer, name)
+        assert found[name] == "diagonal" and group["grafting"] == "adam"
+    # every parameter is in exactly one of the two kinds
+    assert set(found.values()) == {"spectral_descent", "diagonal"}
+
+
+def test_preset_splits_matrices_from_the_rest_and_describe_shows_it():
+    model = tiny_gpt2()
+    optimizer = make_optimizer(model, preset="muon", lr=1e-3, betas=(0.95, 0.999),
+                               weight_decay=0.1)
+    check_muon_groups(optimizer, 0.95)
+    rows = {r["name"]: r for r in describe_rows(optimizer)}
+    assert rows["transformer.h.0.mlp.c_fc.weight"]["blocks"] == "1x(32, 128)"  # whole
+    assert rows["transformer.h.0.mlp.c_fc.weight"]["preconditioner"] == "spectral_descent"
+    assert rows["transformer.ln_f.weight"]["preconditioner"] == "diagonal"
+    assert rows["transformer.ln_f.weight"]["weight_decay"] == 0.0
+    assert rows["transformer.h.0.attn.c_attn.weight"]["weight_decay"] == 0.1
+    text = describe(optimizer)
+    assert "spectral_descent" in text and "diagonal" in text
+    # one training step moves every parameter
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = dataset(2)[0]["input_ids"][None]
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_preset_keeps_what_the_user_set():
+    optimizer = make_optimizer(tiny_gpt2(), preset="muon", beta3=0.9,
+                               spectral_lr_adjustment="original")
+    group = group_of(optimizer, HIDDEN[0])
+    assert group["beta3"] == 0.9 and group["spectral_lr_adjustment"] == "original"
+
+
+def test_preset_gives_conv_kernels_out_by_rest_matrices():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 4 * 4, 10))
+    optimizer = make_optimizer(model, preset="muon")
+    rows = {r["name"]: r for r in describe_rows(optimizer)}
+    assert rows["0.weight"]["preconditioner"] == "spectral_descent"
+    assert rows["0.weight"]["blocks"] == "1x(8, 27)"
+    assert rows["4.weight"]["blocks"] == "1x(10, 128)"
+    assert rows["1.weight"]["preconditioner"] == "diagonal"
+    loss = model(torch.randn(2, 3, 6, 6)).sum()
+    loss.backward()
+    optimizer.step()
+
+
+def test_trainer_by_name_distributed_muon(tmp_path):
+    args = training_args(tmp_path, optim="distributed_muon", learning_rate=3e-3,
+                         adam_beta1=0.9, weight_decay=0.1)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    assert "ShampooCheckpointCallback" in [type(c).__name__
+                                          for c in trainer.callback_handler.callbacks]
+    optimizer = shampoo_of(trainer)
+    check_muon_groups(optimizer, 0.9)
+    trainer.train()
+    assert optimizer.param_groups[0]["step"] == 3
+
+
+def test_optim_args_preset_muon_builds_the_same_groups(tmp_path):
+    by_name = shampoo_of(Trainer(model=tiny_gpt2(), args=training_args(
+        tmp_path, optim="distributed_muon"), train_dataset=dataset()))
+    by_args = shampoo_of(Trainer(model=tiny_gpt2(), args=training_args(
+        tmp_path, optim="distributed_shampoo", optim_args="preset=muon"),
+        train_dataset=dataset()))
+    assert kinds(by_name) == kinds(by_args)
+
+
+def test_command_line_distributed_muon(tmp_path):
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--optim", "distributed_muon", "--output_dir", str(tmp_path), "--use_cpu",
+         "--optim_args", "newton_schulz_iterations=6,spectral_lr_adjustment=original",
+         "--report_to", "none"])
+    optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
+    group = group_of(optimizer, HIDDEN[0])
+    assert group["preconditioner"] == "spectral_descent"
+    assert group["newton_schulz_iterations"] == 6
+    assert group["spectral_lr_adjustment"] == "original"
+
+
+def test_bad_muon_optim_args_fail_when_the_trainer_is_built(tmp_path):
+    with pytest.raises(ValueError, match="spectral_lr_adjustment"):
+        Trainer(model=tiny_gpt2(), args=training_args(
+            tmp_path, optim="distributed_muon", optim_args="spectral_lr_adjustment=rms"),
+            train_dataset=dataset())
+
+
+MUON_ARGS = [a if a != "distributed_shampoo" else "distributed_muon" for a in WORKER_ARGS]
+
+
+def test_unmodified_script_resumes_muon_exactly(tmp_path):
+    (tmp_path / "train.py").write_text(WORKER)
+    run([sys.executable, "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
+         "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
+         *MUON_ARGS])
+    result = check_resume(tmp_path / "result.json", 1)
+    assert result["losses_a"]["8"] < result["losses_a"]["1"]
+
+
+@pytest.mark.slow
+def test_two_ranks_muon_trainer_checkpoint_resumes_exactly(tmp_path):
+    (tmp_path / "train.py").write_text(WORKER)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
+         "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
+         *MUON_ARGS])
+    check_resume(tmp_path / "result.json", 2)
