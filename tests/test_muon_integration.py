@@ -123,13 +123,16 @@ def test_optim_args_preset_muon_builds_the_same_groups(tmp_path):
 def test_command_line_distributed_muon(tmp_path):
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
         ["--optim", "distributed_muon", "--output_dir", str(tmp_path), "--use_cpu",
-         "--optim_args", "newton_schulz_iterations=6,spectral_lr_adjustment=original",
+         "--optim_args", "newton_schulz_iterations=6,spectral_lr_adjustment=original,"
+         "newton_schulz_dtype=bf16,newton_schulz_coefficients=(3;-3.2;1.2)",
          "--report_to", "none"])
     optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
     group = group_of(optimizer, HIDDEN[0])
     assert group["preconditioner"] == "spectral_descent"
     assert group["newton_schulz_iterations"] == 6
     assert group["spectral_lr_adjustment"] == "original"
+    assert group["newton_schulz_dtype"] == torch.bfloat16
+    assert group["newton_schulz_coefficients"] == (3.0, -3.2, 1.2)
 
 
 def test_bad_muon_optim_args_fail_when_the_trainer_is_built(tmp_path):

@@ -93,6 +93,9 @@ _OPTIONAL_TYPES = {
     "quantization": str,
     "statistics_frequency": int,
     "inv_factor_matrix_dtype": torch.dtype,
+    "newton_schulz_dtype": torch.dtype,
+    "spectral_lr_adjustment": str,
+    "sign_scale": str,
 }
 
 
