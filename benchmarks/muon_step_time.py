@@ -12,6 +12,7 @@ torch.optim.Muon orthogonalizes every matrix (it knows nothing of the other rank
 ours orthogonalizes the matrices a rank owns and all-gathers the directions.
 
     python benchmarks/muon_step_time.py --worlds 1 2 4
+    python benchmarks/muon_step_time.py --worlds 2 4 --communication-dtype bfloat16
     python benchmarks/muon_step_time.py --worlds 1 2 --rounds 3 --layers 1 --width 64
 """
 
@@ -35,6 +36,7 @@ from hf_shampoo import DistributedShampoo  # noqa: E402
 
 HIDDEN = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MU, LR, WD = 0.95, 0.02, 0.1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def hidden_matrices(layers: int, width: int) -> list[torch.Tensor]:
@@ -42,7 +44,7 @@ def hidden_matrices(layers: int, width: int) -> list[torch.Tensor]:
     return [p.detach().clone() for n, p in model.named_parameters() if n.endswith(HIDDEN)]
 
 
-def optimizers(weights: list[torch.Tensor], world: int):
+def optimizers(weights: list[torch.Tensor], world: int, communication_dtype=torch.float32):
     theirs = [torch.nn.Parameter(w.clone()) for w in weights]
     ours = [torch.nn.Parameter(w.clone()) for w in weights]
     g = torch.Generator().manual_seed(1)
@@ -55,7 +57,7 @@ def optimizers(weights: list[torch.Tensor], world: int):
         ours, lr=LR, betas=(MU, 1.0), beta3=MU**2, use_bias_correction=False, weight_decay=WD,
         preconditioner="spectral_descent", spectral_lr_adjustment="match_rms_adamw",
         newton_schulz_dtype=torch.bfloat16, max_preconditioner_dim=2**31 - 1,
-        distributed="ddp" if world > 1 else "none")
+        distributed="ddp" if world > 1 else "none", communication_dtype=communication_dtype)
     return muon, shampoo, theirs, ours
 
 
@@ -67,7 +69,7 @@ def barrier(world: int) -> None:
 def measure(world: int, args) -> dict:
     """Per-round step times of this rank, and the check that both moved alike."""
     weights = hidden_matrices(args.layers, args.width)
-    muon, shampoo, theirs, ours = optimizers(weights, world)
+    muon, shampoo, theirs, ours = optimizers(weights, world, DTYPES[args.communication_dtype])
     times = {"torch": [], "ours": []}
     for round_ in range(args.warmup + args.rounds):
         for name, opt in (("torch", muon), ("ours", shampoo)):
@@ -124,12 +126,17 @@ def main(argv=None) -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--communication-dtype", choices=list(DTYPES), default="float32",
+                        help="dtype of our all-gathered directions (float32: bit-identical "
+                             "to one process; bfloat16: half the traffic, each update "
+                             "rounded to bfloat16 as torch.optim.Muon's is)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"`python benchmarks/muon_step_time.py {' '.join(sys.argv[1:])}`; {hardware()}; "
           "one thread per rank\n")
     print(f"GPT-2 hidden matrices ({args.layers} layers, width {args.width}); median over "
-          f"{args.rounds} interleaved rounds of the slowest rank's step\n")
+          f"{args.rounds} interleaved rounds of the slowest rank's step; our directions "
+          f"all-gathered in {args.communication_dtype}\n")
     print("| ranks | matrices | matrices per rank (ours) | torch.optim.Muon ms | ours ms | "
           "ours / torch | max relative difference |")
     print("|---|---|---|---|---|---|---|")
