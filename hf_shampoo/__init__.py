@@ -5,8 +5,8 @@ preset=...)`` builds it with per-module rules (``preset="muon"``: Muon on hidden
 Adam elsewhere); ``ShampooNumericalError`` is raised when a factor matrix becomes
 non-finite or its eigendecomposition keeps failing.
 Importing the package registers the optimizer with transformers
-(``TrainingArguments(optim="distributed_shampoo")`` and ``optim="distributed_muon"``) and timm (``opt="shampoo"``) as soon
-as those libraries load, without importing either itself.
+(``TrainingArguments(optim="distributed_shampoo")`` and ``optim="distributed_muon"``) and
+timm (``opt="shampoo"``) as soon as those libraries load, without importing either itself.
 """
 
 from .integrations.modules import make_optimizer
