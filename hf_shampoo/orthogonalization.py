@@ -1,4 +1,4 @@
-"""Orthogonalization of stacked matrices, for spectral descent (Muon; docs/design.md).
+"""Orthogonalization of stacked matrices, for spectral descent (Muon; docs/muon.md).
 
 The orthogonal factor of ``X = U S Vᵀ`` (reduced SVD) is ``U Vᵀ``: every singular value
 set to one. ``newton_schulz`` approximates it with the quintic iteration

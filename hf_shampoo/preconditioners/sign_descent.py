@@ -1,4 +1,4 @@
-"""Sign descent (Meta's ``SignDescentPreconditionerConfig``; docs/design.md).
+"""Sign descent (Meta's ``SignDescentPreconditionerConfig``; docs/muon.md).
 
 The search direction of a block is ``s · sign(Ĝ)``: ``s = 1`` by default (Meta's scale) or,
 with ``sign_scale="l1"``, the block's ``‖Ĝ‖₁``, which makes it steepest descent under the

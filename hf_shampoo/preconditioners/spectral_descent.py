@@ -1,4 +1,4 @@
-"""Spectral descent (Muon; Meta's ``SpectralDescentPreconditionerConfig``; docs/design.md).
+"""Spectral descent (Muon; Meta's ``SpectralDescentPreconditionerConfig``; docs/muon.md).
 
 Every block is a matrix (parameters are blocked as ``(dim 0, the rest)``, then cut at
 ``max_preconditioner_dim`` like every kind), and its search direction is the orthogonalized
