@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from hf_shampoo import linalg
-from hf_shampoo.distributed import Distributor, block_cost, greedy_assignment  # noqa: F401
+from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment  # noqa: F401
 
 MODELS = ("resnet50", "gpt2", "gpt2-medium", "gpt2-tiny")
 
@@ -141,7 +141,7 @@ class StaleCounter:
         linalg.qr_algorithm_direct = self._real_qr
 
 
-class SimulatedRank(Distributor):
+class SimulatedRank(SingleProcessDistributor):
     """One rank's share of a ``world``-rank run, computed without communicating: assigns
     blocks like the data-parallel distributor and computes only ``rank``'s blocks (the
     all-gather is skipped; its volume is reported instead)."""

@@ -5,7 +5,7 @@ with and without 4-bit state, on ResNet-50 and GPT-2-small shapes, per rank at w
 Computed, not sampled: every state tensor the optimizer would allocate (``expected_state``
 of each block, with its dtype), placed on ranks by the same assignment code the optimizer
 runs (``distributed.greedy_assignment`` for DDP, the lossless FSDP2 planner of
-``sharded.py`` through ``sharded_scaling.SimulatedSharded``). AdamW keeps two float32
+``distributors/fsdp.py`` through ``sharded_scaling.SimulatedSharded``). AdamW keeps two float32
 moments per parameter, sharded evenly under FSDP2 and replicated under DDP. Workspace and
 communication buffers are not state and are not counted (``sharded_scaling.py`` has them).
 
@@ -26,7 +26,7 @@ from common import build_model  # noqa: E402
 from sharded_scaling import SimulatedSharded, block_shape, blocks_of  # noqa: E402
 
 from hf_shampoo.config import DEFAULTS  # noqa: E402
-from hf_shampoo.distributed import block_cost, greedy_assignment  # noqa: E402
+from hf_shampoo.distributors import block_cost, greedy_assignment  # noqa: E402
 from hf_shampoo.stack import BlockStack  # noqa: E402
 
 MIB = 2.0**20

@@ -1,7 +1,7 @@
 """Per-rank optimizer state and bytes communicated per step under FSDP2 (SPEC §8).
 
 For ResNet-50 and GPT-2 small shapes at world 2/4/8 (1-D FSDP2 meshes, simulated ranks:
-the real block assignment and communication plan of ``hf_shampoo.sharded`` are computed
+the real block assignment and communication plan of ``hf_shampoo.distributors.fsdp`` are computed
 for every rank without a process group), this prints, per scheme:
 
 - ``state MiB/rank``: the largest rank's optimizer state (Shampoo with Adam grafting,
@@ -38,8 +38,8 @@ from common import SimulatedRank, build_model, hardware, median, timed  # noqa: 
 from hf_shampoo import DistributedShampoo  # noqa: E402
 from hf_shampoo.blocking import ParamBlocking  # noqa: E402
 from hf_shampoo.config import DEFAULTS  # noqa: E402
-from hf_shampoo.distributed import Distributor, block_cost, greedy_assignment  # noqa: E402
-from hf_shampoo.sharded import RowSharding, ShardedDistributor  # noqa: E402
+from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment  # noqa: E402
+from hf_shampoo.distributors.fsdp import RowSharding, ShardedDistributor  # noqa: E402
 from hf_shampoo.stack import BlockRef, BlockStack  # noqa: E402
 
 MIB = 2.0**20
@@ -164,7 +164,7 @@ def meta_lossless(params, world: int, max_dim: int) -> dict:
             "rank": max(s + r for s, r in zip(sent, received))}
 
 
-class SimulatedOwner(Distributor):
+class SimulatedOwner(SingleProcessDistributor):
     """Rank ``rank`` of a ``world``-rank lossless run without communicating: the real
     assignment, only this rank's blocks computed (every direction is still applied)."""
 

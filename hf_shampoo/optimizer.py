@@ -1,42 +1,33 @@
 """``DistributedShampoo``: the public optimizer class.
 
-The class validates hyperparameters, lays parameters out as blocks and stacks
-(``blocking.py``, ``stack.py``), and runs a step in phases so that nothing is half-done:
-
-1. gather each owned stack's gradients (blocks whose gradient is None are skipped) and
-   decide what each block does this step (its refresh schedule: ``refresh_schedule``);
-2. for blocks that refresh, update factor matrices out of place and check them all for
-   non-finite values before any state or parameter changes;
-3. compute every owned block's search direction ``-lr * P`` into the direction buffers;
-4. all-gather the buffers between ranks (``distributed.py``; nothing in one process);
-5. add every block's direction to its parameter.
+The class validates hyperparameters and param groups, lays parameters out as blocks and
+stacks (``blocking.py``, ``stack.py``) owned by ranks (``distributors/``), keeps torch's
+optimizer API (``step``, ``state_dict`` / ``load_state_dict`` in ``checkpoint/``'s layout)
+and runs a step as the named stages of ``pipeline.py``, so that nothing is half-done.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from . import checkpoint
+from . import pipeline
 from .blocking import ParamBlocking
+from .checkpoint import layout as checkpoint
+from .checkpoint.consolidate import gather_state
 from .config import (
     DEFAULTS,
     GLOBAL_KEYS,
-    is_preconditioning,
-    is_refresh_step,
-    start_step,
     validate_group,
 )
-from .distributed import Distributor, greedy_assignment, make_distributor
-from .linalg import finite_rows
+from .distributors import Distributor, make_distributor
+from .pipeline import Layout
 from .preconditioners import kind_of
-from .stack import BlockRef, BlockStack, ShampooNumericalError, StackStep, Workspace
+from .stack import BlockRef, BlockStack, Workspace
 
 
 class _StateMapping(defaultdict):
@@ -47,16 +38,6 @@ class _StateMapping(defaultdict):
 
     def __bool__(self) -> bool:
         return True
-
-
-@dataclass
-class Layout:
-    """Blocks of every parameter, their stacks, and which stacks this rank owns."""
-
-    blockings: dict[int, ParamBlocking]  # param_index → blocking
-    stacks: list[BlockStack]  # every stack of every rank, in buffer order
-    owned: list[BlockStack]  # the stacks whose state lives on this rank
-    params: list[int]  # ids of the parameters it was built for (Accelerate may swap them)
 
 
 class DistributedShampoo(torch.optim.Optimizer):
@@ -279,90 +260,33 @@ class DistributedShampoo(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step (SPEC §2); returns the closure's loss if one is given."""
+        """One optimizer step (SPEC §2); returns the closure's loss if one is given.
+
+        The stages, each a function of ``pipeline.py``, run so that nothing is half-done:
+        gather the owned stacks' gradients and plan each block's step; check the refreshed
+        factors before any state or parameter changes; compute every owned block's
+        direction ``-lr * P``; the distributor shares the directions and applies them.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         layout = self._ensure_layout()
         self._consolidated = None
-        if self._distributor.needs_reallocation(layout.stacks):
-            self._distributor.allocate_directions(layout.stacks)
-        steps = [group["step"] + 1 for group in self.param_groups]
+        distributor, groups = self._distributor, self.param_groups
+        if distributor.needs_reallocation(layout.stacks):
+            distributor.allocate_directions(layout.stacks)
         self._update_refresh_offsets(layout)
+        steps = [group["step"] + 1 for group in groups]
 
-        # 1. gather gradients of owned stacks; decide what each block does this step
-        distributor = self._distributor
-        active_members = distributor.active_members(layout.stacks)
-        distributor.prepare_step(layout, active_members, self._needs_params)
-        jobs: list[tuple[BlockStack, StackStep]] = []
-        for stack in layout.owned:
-            active = active_members[id(stack)]
-            if not active:
-                continue
-            group = self.param_groups[stack.group_index]
-            stack.materialize(group)
-            full = len(active) == len(stack.members)
-            state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
-            grad = distributor.stacked_grads(stack, active)
-            if group["weight_decay"] > 0 and group["weight_decay_type"] == "l2":  # §2 line 1
-                grad.add_(self._stacked_params(stack, active), alpha=group["weight_decay"])
-            jobs.append((stack, _plan(stack, group, steps[stack.group_index], active, state, grad)))
-
-        # 2. refresh steps: out-of-place factor updates, checked before anything changes
-        checks = []
-        for stack, job in jobs:
-            if job.refresh_rows:
-                factors = stack.checked_factors(job)
-                if len(job.refresh_rows) == len(job.members):
-                    job.new_factors = factors
-                flags = [finite_rows(f) for f in factors.values()]
-                checks.append((stack, job, torch.stack(flags).all(0) if flags else None))
-        checks = [c for c in checks if c[2] is not None]
-        local_bad = bool(checks) and not bool(torch.stack([ok.all() for *_, ok in checks]).all())
-        bad_anywhere = local_bad
-        if distributor.world_size > 1 and _refreshes_somewhere(
-            layout, self.param_groups, steps, active_members
-        ):
-            # every rank learns whether any refreshed factor is non-finite, so that all raise
-            # together instead of the others waiting in the next collective forever
-            bad_anywhere = distributor.any_rank(local_bad)
-        if local_bad:
-            for stack, job, ok in checks:
-                bad = (~ok).nonzero().flatten().tolist()
-                if bad:
-                    member = stack.members[job.members[job.refresh_rows[bad[0]]]]
-                    raise ShampooNumericalError(
-                        f"DistributedShampoo: non-finite factor matrix for parameter "
-                        f"{member.name!r} (block {member.block_index}) at step "
-                        f"{job.step}; no parameter was changed by this step"
-                    )
-        if bad_anywhere:
-            raise ShampooNumericalError(
-                "DistributedShampoo: another rank found a non-finite factor matrix at step "
-                f"{max(steps)} (its error names the parameter); no parameter was changed by "
-                "this step"
-            )
-
-        # 3. search directions of owned blocks, written as -lr * P into the buffers
-        for stack, job in jobs:
-            group = job.group
-            if group["weight_decay"] > 0 and group["weight_decay_type"] != "l2":
-                job.param = self._stacked_params(stack, job.members)
-            lr = float(group["lr"])
-            if len(job.members) == len(stack.members):
-                stack.direction(job, self._workspace, stack.directions, lr)
-                continue
-            out = torch.empty_like(job.grad)
-            stack.direction(job, self._workspace, out, lr)
-            index = torch.tensor(job.members, device=out.device)
-            stack.directions.index_copy_(0, index, out.to(stack.directions.dtype))
-            for name, tensor in job.state.items():  # materialize() made every name exist
-                stack.state[name].index_copy_(0, index, tensor)
-
-        # 4. share directions between ranks; 5. apply every block's direction
-        distributor.finish_step(layout, active_members)
-        for group, t in zip(self.param_groups, steps):
+        active = distributor.active_members(layout.stacks)
+        distributor.prepare_step(layout, active, self._needs_params)
+        jobs = pipeline.gather_gradients(layout, groups, steps, active, distributor,
+                                         self._stacked_params)
+        pipeline.check_refreshed_factors(jobs, layout, groups, steps, active, distributor)
+        pipeline.compute_directions(jobs, self._workspace, self._stacked_params)
+        distributor.finish_step(layout, active)
+        for group, t in zip(groups, steps):
             group["step"] = t
         return loss
 
@@ -377,33 +301,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         return self.param_groups[stack.group_index]["weight_decay"] > 0
 
     def _update_refresh_offsets(self, layout: Layout) -> None:
-        """Give every block its schedule offset (SPEC §2 with ``refresh_schedule``).
-
-        ``"all"``: 0. ``"staggered"``: the group's blocks, heaviest first (``Σ d³``, the
-        cost of their eigendecompositions), each go to the least-loaded of the
-        ``precondition_frequency`` offsets. The order depends only on the blocks'
-        identities (parameter index, block index), never on ranks, so every rank and a
-        single process agree. Recomputed when the group's schedule or frequency changes.
-        """
-        for gi, group in enumerate(self.param_groups):
-            key = (group["refresh_schedule"], group["precondition_frequency"])
-            stacks = [s for s in layout.stacks if s.group_index == gi]
-            if self._schedules.get(gi) == key and all(
-                len(s.refresh_offsets) == len(s.members) for s in stacks
-            ):
-                continue
-            self._schedules[gi] = key
-            blocks = sorted((b.param_index, b.block_index, s, i)
-                            for s in stacks for i, b in enumerate(s.members))
-            for s in stacks:
-                s.refresh_offsets = [0] * len(s.members)
-            if key[0] != "staggered" or not kind_of(group).refreshes:
-                continue
-            costs = [float(sum(d**3 for d in s.shape)) for _, _, s, _ in blocks]
-            # with more offsets than blocks, LPT gives each block its own: only n are used
-            slots = greedy_assignment(costs, min(key[1], len(blocks)))
-            for (_, _, s, i), slot in zip(blocks, slots):
-                s.refresh_offsets[i] = slot
+        """Give every block its refresh schedule offset (``pipeline.assign_refresh_offsets``)."""
+        pipeline.assign_refresh_offsets(layout, self.param_groups, self._schedules)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -450,19 +349,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._ensure_layout()
         if not self._distributor.is_sharded_state:
             return
-        world, rank = dist.get_world_size(), dist.get_rank()
-        destinations = range(world) if to is None else [to] if isinstance(to, int) else list(to)
-        local = self.local_state_dict()
-        shard = checkpoint.to_cpu(local["state"])
-        for destination in destinations:  # one gather per destination, same order everywhere
-            gathered: list | None = [None] * world if rank == destination else None
-            dist.gather_object(shard, gathered, dst=destination)
-            if gathered is not None:
-                self._consolidated = {
-                    "state": checkpoint.merge_shards(gathered),
-                    "param_groups": local["param_groups"],
-                    "shard": {**local["shard"], "complete": True},
-                }
+        self._consolidated = gather_state(self.local_state_dict(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
@@ -501,34 +388,4 @@ class DistributedShampoo(torch.optim.Optimizer):
                       "state_bytes": nbytes}
                      for i, b in enumerate(s.members)]
         return rows
-
-
-def _refreshes_somewhere(layout: Layout, groups: list[dict], steps: list[int],
-                         active: dict[int, list[int]]) -> bool:
-    """Whether any block with a gradient, on any rank, refreshes this step (the same answer
-    on every rank: schedules and active blocks agree everywhere)."""
-    for stack in layout.stacks:
-        members = active[id(stack)]
-        if not members:
-            continue
-        group, step = groups[stack.group_index], steps[stack.group_index]
-        offsets = {stack.refresh_offsets[i] for i in members} if stack.refresh_offsets else {0}
-        if any(is_refresh_step(group, step, offset) for offset in offsets):
-            return True
-    return False
-
-
-def _plan(
-    stack: BlockStack, group: dict, step: int, active: list[int], state: dict, grad: Tensor
-) -> StackStep:
-    """What every row (active member) of a stack does this step, from its schedule offset."""
-    offsets = [stack.refresh_offsets[i] if stack.refresh_offsets else 0 for i in active]
-    refresh = [r for r, o in enumerate(offsets) if is_refresh_step(group, step, o)]
-    first = [r for r in refresh if step - offsets[r] == start_step(group)]
-    grafting = []
-    if group["grafting"] is not None:
-        grafting = [r for r, o in enumerate(offsets) if not is_preconditioning(group, step, o)]
-    return StackStep(group, step, active, state, grad, None, refresh, first, grafting,
-                     offsets=offsets)
-
 

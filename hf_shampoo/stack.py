@@ -5,7 +5,7 @@ parameter group, stacked along a leading dim, so that factor updates, preconditi
 and eigendecompositions are single batched calls. ``direction`` runs SPEC §2 lines 2–8
 for the stack: the group's preconditioner kind (``preconditioners/``, one module per
 kind) and the shared ``stages``. State names (also the checkpoint keys, see
-``checkpoint.py``):
+``checkpoint/layout.py``):
 
 - ``factor_matrix_{j}``: ``F_j`` per preconditioned dim ``j``
 - ``inverse_root_{j}``: ``I_j`` (shampoo)

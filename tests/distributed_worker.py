@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hf_shampoo import DistributedShampoo, quantization
-from hf_shampoo.distributed_checkpoint import load_sharded, save_sharded
+from hf_shampoo.checkpoint import load_sharded, save_sharded
 
 SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), ()]
 

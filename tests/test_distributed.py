@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.distributed import block_cost, greedy_assignment
-from hf_shampoo.distributed_checkpoint import consolidate_checkpoint, load_sharded
+from hf_shampoo.checkpoint import consolidate_checkpoint, load_sharded
+from hf_shampoo.distributors import block_cost, greedy_assignment
 from tests import distributed_worker as worker
 from tests.helpers import one_thread_per_process
 

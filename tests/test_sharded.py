@@ -192,7 +192,7 @@ def test_fully_shard_model_with_backward_and_clipping(runs, mesh):
 # ----------------------------------------------------------------- planning (no process group)
 def test_row_sharding_follows_torch_chunk_in_merged_rows():
     from hf_shampoo.blocking import merged_shape
-    from hf_shampoo.sharded import RowSharding
+    from hf_shampoo.distributors.fsdp import RowSharding
 
     def ranges(shape, max_dim, shards):
         return RowSharding.for_shape(shape, merged_shape(shape, max_dim), shards).ranges
@@ -214,7 +214,7 @@ class _Planner:
     """The lossless assignment for a simulated 1-D mesh (no process group)."""
 
     def __init__(self, world):
-        from hf_shampoo.sharded import RowSharding, ShardedDistributor
+        from hf_shampoo.distributors.fsdp import RowSharding, ShardedDistributor
 
         class Planner(ShardedDistributor):
             def __init__(self):
@@ -229,7 +229,7 @@ class _Planner:
 
     def assign(self, shapes, max_dim):
         from hf_shampoo.blocking import ParamBlocking
-        from hf_shampoo.distributed import block_cost
+        from hf_shampoo.distributors import block_cost
         from hf_shampoo.stack import BlockRef
 
         blocks = []

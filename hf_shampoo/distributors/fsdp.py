@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .distributed import Distributor, block_cost, stack_buffer, world_any
+from .base import Distributor, allocate_per_stack, block_cost, stack_buffer, world_any
 
 _SUPPORTED = (
     "DistributedShampoo supports plain parameters (one process, DDP) and FSDP2 "
@@ -393,6 +393,9 @@ class ShardedDistributor(Distributor):
     def any_rank(self, flag: bool) -> bool:
         return world_any(flag, self._device)
 
+    def all_gather(self) -> None:
+        pass  # finish_step sends each rank its shard's directions by all_to_all instead
+
     def stacked_grads(self, stack, active: list[int]) -> Tensor:
         buffer = stack.gathered_grad
         return buffer if len(active) == len(stack.members) else buffer[active]
@@ -483,6 +486,18 @@ class LocalShardDistributor(Distributor):
 
     def state_key_prefix(self) -> str:
         return f"shard{self.shard_index}of{self.num_shards}."
+
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
+        return [0] * len(block_shapes)  # every rank owns the blocks of its own shards
+
+    def allocate_directions(self, stacks) -> None:
+        allocate_per_stack(stacks)
+
+    def all_gather(self) -> None:
+        pass  # each rank applies its own directions to its own shard
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag  # as in one process: ranks never wait for each other here
 
 
 def _local(tensor: Tensor) -> Tensor:

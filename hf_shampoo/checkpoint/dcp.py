@@ -1,4 +1,5 @@
-"""Sharded optimizer checkpoints on ``torch.distributed.checkpoint`` (SPEC §4, §6).
+"""Sharded optimizer checkpoints on ``torch.distributed.checkpoint`` (SPEC §4, §6): the
+state dict of ``layout.py`` in a flat form, written and read by torch DCP.
 
 Each rank writes the blocks it owns; loading asks for the blocks the loading rank owns,
 wherever they were written, so a checkpoint saved on 2 ranks resumes on 1, 3 or 8 (the

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .blocking import ParamBlocking
-from .config import LAYOUT_KEYS
+from ..blocking import ParamBlocking
+from ..config import LAYOUT_KEYS
 
 # "block_{b}.{name}"; with fsdp_mode="local", "shard{s}of{n}.block_{b}.{name}"
 _KEY = re.compile(r"^(shard\d+of\d+\.)?block_(\d+)\.(\w+)$")
@@ -197,7 +197,7 @@ def unpack(
                 f"which rank {rank} of {world_size} owns; loading it would leave this rank's "
                 "blocks without state. Save after optimizer.consolidate_state_dict() (every "
                 "rank calls it; rank 0's state_dict() then holds all blocks), or save and load "
-                "sharded (hf_shampoo.distributed_checkpoint, or torch.distributed.checkpoint "
+                "sharded (hf_shampoo.checkpoint.save_sharded, or torch.distributed.checkpoint "
                 "with get_optimizer_state_dict / set_optimizer_state_dict)"
             )
         _refuse(f"it lacks the state of parameter {missing.name!r} block {missing.block_index}")

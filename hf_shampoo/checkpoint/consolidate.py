@@ -1,0 +1,37 @@
+"""Consolidation: every rank's blocks gathered onto the ranks that save (SPEC §6).
+
+Under data parallelism and FSDP2 each rank's ``state_dict()`` holds the blocks it owns.
+Tools that write the optimizer from one process (the Trainer, ``accelerator.save_state``)
+need the full state there, so ``DistributedShampoo.consolidate_state_dict`` calls
+``gather_state`` on every rank first (as torch's ``ZeroRedundancyOptimizer`` does); the
+result is an ordinary state dict that loads at any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from .layout import merge_shards, to_cpu
+
+
+def gather_state(local: dict[str, Any], to: int | Iterable[int] | None = 0) -> dict | None:
+    """Gather every rank's ``local`` state dict onto global rank(s) ``to`` (a collective:
+    every rank calls it; ``None``: every rank). Returns the complete state dict on a
+    destination rank, None elsewhere."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    destinations = range(world) if to is None else [to] if isinstance(to, int) else list(to)
+    shard = to_cpu(local["state"])
+    complete = None
+    for destination in destinations:  # one gather per destination, same order everywhere
+        gathered: list | None = [None] * world if rank == destination else None
+        dist.gather_object(shard, gathered, dst=destination)
+        if gathered is not None:
+            complete = {
+                "state": merge_shards(gathered),
+                "param_groups": local["param_groups"],
+                "shard": {**local["shard"], "complete": True},
+            }
+    return complete

@@ -1,0 +1,213 @@
+"""The distributor interface and what every distributor shares (docs/design.md §4).
+
+A distributor knows ranks, block assignment and buffers, and nothing of the algorithm.
+``Distributor`` is the interface the optimizer's step drives; ``block_cost`` and
+``greedy_assignment`` choose owners (longest processing time first, deterministic on every
+rank); the helpers below stack a stack's gradients or parameters into one tensor, keep its
+persistent buffers, and add every block's direction to its parameter. The distributors
+themselves are siblings that import only this module: ``single`` (one process), ``ddp``
+(blocks spread over data-parallel ranks, one all-gather) and ``fsdp`` (FSDP2 / HSDP).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def block_cost(shape: Sequence[int], cost: str = "memory") -> float:
+    """Cost of a block for assignment.
+
+    ``"memory"``: elements of its state, one ``d×d`` factor per dim plus the block itself
+    (grafting / momentum state). ``"compute"``: its eigendecompositions, ``Σ d³``, plus the
+    block for the steady-state work.
+    """
+    numel = math.prod(shape)
+    power = 2 if cost == "memory" else 3
+    return float(sum(d**power for d in shape) + numel)
+
+
+def greedy_assignment(costs: Sequence[float], num_ranks: int) -> list[int]:
+    """Longest processing time first: blocks by decreasing cost (ties: block order) each
+    go to the least-loaded rank (ties: lowest rank). Deterministic, identical everywhere."""
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    loads = [(0.0, rank) for rank in range(num_ranks)]
+    owners = [0] * len(costs)
+    for i in order:
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + costs[i], rank))
+    return owners
+
+
+class Distributor:
+    """Where blocks live: the interface the optimizer's step drives.
+
+    The step calls, in this order: ``active_members`` (which blocks have a gradient),
+    ``prepare_step`` (bring owned blocks' inputs to their owner), ``stacked_grads`` /
+    ``stacked_params`` (an owned stack's inputs), then ``finish_step`` (share the
+    directions and add every block's to its parameter). At layout time it calls
+    ``assign`` (an owner per block) and ``allocate_directions``. Subclasses (``single``,
+    ``ddp``, ``fsdp``) decide where blocks live; none of them knows the algorithm.
+    """
+
+    rank = 0
+    world_size = 1
+    #: whether a rank's ``state_dict()`` holds only its own blocks
+    is_sharded_state = False
+
+    def __init__(self, communication_dtype: torch.dtype = torch.float32) -> None:
+        self.communication_dtype = communication_dtype
+
+    def global_rank_and_world(self) -> tuple[int, int]:
+        """This process's global rank and world size (0 and 1 in one process)."""
+        return 0, 1
+
+    def local(self, tensor: Tensor) -> Tensor:
+        """The part of a parameter (or gradient) this rank blocks, stacks and updates: all
+        of it here; a rank's shard with ``fsdp_mode="local"``."""
+        return tensor
+
+    def blocking_shape(self, param: Tensor) -> tuple[int, ...]:
+        """The shape a parameter is blocked as (SPEC §1: the full parameter's)."""
+        return tuple(self.local(param).shape)
+
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
+        """The owning rank (within this distributor's group) of every block."""
+        raise NotImplementedError
+
+    def allocate_directions(self, stacks) -> None:
+        """Give every stack its ``directions`` tensor ``(members, *shape)``."""
+        raise NotImplementedError
+
+    def needs_reallocation(self, stacks) -> bool:
+        return any(s.directions is None or s.directions.device != s.device for s in stacks)
+
+    # ------------------------------------------------------------- one step
+    def active_members(self, stacks) -> dict[int, list[int]]:
+        """``id(stack)`` → positions of its blocks whose parameter has a gradient."""
+        return {id(stack): _active_members(stack) for stack in stacks}
+
+    def prepare_step(self, layout, active: dict[int, list[int]], needs_params) -> None:
+        """Bring the inputs of owned blocks to their owner (nothing to do here)."""
+
+    def stacked_grads(self, stack, active: list[int]) -> Tensor:
+        """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype."""
+        full = len(active) == len(stack.members)
+        return _stacked(stack, active, lambda p: self.local(p.grad),
+                        stack_buffer(stack, "gathered_grad") if full else None)
+
+    def stacked_params(self, stack, active: list[int], out: Tensor) -> Tensor:
+        """The parameter blocks of ``active`` members, into ``out``."""
+        return _stacked(stack, active, self.local, out)
+
+    def finish_step(self, layout, active: dict[int, list[int]]) -> None:
+        """Share the owners' directions (``all_gather``) and add every block's to its
+        parameter."""
+        self.all_gather()
+        apply_directions(layout, active, self.local)
+
+    def all_gather(self) -> None:
+        """Fill every rank's direction buffers with the owners' directions."""
+        raise NotImplementedError
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective where there are several)."""
+        raise NotImplementedError
+
+
+def world_any(flag: bool, device: torch.device) -> bool:
+    """``flag`` OR-ed over every rank of the default group (one tiny ``all_reduce``)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _active_members(stack) -> list[int]:
+    """Positions of the stack's blocks whose parameter has a gradient this step."""
+    active = []
+    for i, block in enumerate(stack.members):
+        grad = block.param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"DistributedShampoo does not support sparse gradients (parameter "
+                f"{block.name!r}); use a dense embedding (sparse=False)"
+            )
+        active.append(i)
+    return active
+
+
+def stack_buffer(stack, name: str) -> Tensor:
+    """The stack's persistent ``(n, *shape)`` buffer ``stack.<name>`` in the working dtype
+    (``gathered_grad``, ``gathered_param``), allocated once."""
+    shape = (len(stack.members), *stack.shape)
+    buffer = getattr(stack, name)
+    if buffer is None or buffer.shape != shape or buffer.device != stack.device:
+        buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
+        setattr(stack, name, buffer)
+    return buffer
+
+
+def _stacked(stack, active: list[int], tensor_of, out: Tensor | None = None) -> Tensor:
+    """Copy the given members' blocks of ``tensor_of(param)`` into one ``(m, *shape)``
+    tensor of the stack's working dtype (``out`` when given)."""
+    pieces = []
+    for i in active:
+        block = stack.members[i]
+        piece = tensor_of(block.param).reshape(block.merged)
+        if block.slices is not None:
+            piece = piece[block.slices]
+        pieces.append(piece)
+    if out is None:
+        return torch.stack(pieces).to(stack.work_dtype)
+    if all(piece.dtype == out.dtype for piece in pieces):
+        return torch.stack(pieces, out=out)
+    for row, piece in zip(out, pieces):
+        row.copy_(piece)
+    return out
+
+
+def apply_directions(layout, active: dict[int, list[int]], tensor_of) -> None:
+    """Add every block's direction (this rank's and the all-gathered ones) to its
+    parameter (``tensor_of(param)``); ``active`` holds the blocks with a gradient."""
+    targets: list[Tensor] = []
+    updates: list[Tensor] = []
+    assembled: dict[int, tuple[Tensor, Tensor]] = {}
+    for stack in layout.stacks:
+        for i in active[id(stack)]:
+            block = stack.members[i]
+            param, update = tensor_of(block.param), stack.directions[i]
+            blocking = layout.blockings[block.param_index]
+            if len(blocking.slices) == 1:
+                targets.append(param)
+                updates.append(update.view(param.shape))
+            elif blocking.can_view(param):
+                targets.append(param.view(blocking.merged)[blocking.slices[block.block_index]])
+                updates.append(update)
+            else:  # e.g. a channels_last weight cut into several blocks
+                full = assembled.get(block.param_index)
+                if full is None:
+                    full = (param, torch.zeros(blocking.merged, dtype=update.dtype,
+                                               device=update.device))
+                    assembled[block.param_index] = full
+                full[1][blocking.slices[block.block_index]] = update
+    for param, full in assembled.values():
+        targets.append(param)
+        updates.append(full.view(param.shape))
+    if targets:
+        torch._foreach_add_(targets, updates)
+
+
+def allocate_per_stack(stacks) -> None:
+    """One zeroed ``(members, *shape)`` direction tensor per stack (nothing is shared)."""
+    for stack in stacks:
+        stack.directions = torch.zeros(
+            (len(stack.members), *stack.shape), dtype=stack.work_dtype, device=stack.device
+        )

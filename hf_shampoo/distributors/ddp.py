@@ -1,0 +1,97 @@
+"""Data-parallel training (DDP, Accelerate, the Trainer): blocks spread over the ranks
+of each trainer group, one all-gather of the directions per step (docs/design.md §4).
+
+Every block is assigned to one rank of its trainer group by greedy longest-processing-time
+first; the owner computes the block's ``-lr * P`` into its slice of one flat buffer, and one
+all-gather fills the buffer on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .base import Distributor, block_cost, greedy_assignment, world_any
+
+
+class DataParallelDistributor(Distributor):
+    """Blocks spread over the ranks of each trainer group; one all-gather per step."""
+
+    def __init__(
+        self,
+        communication_dtype: torch.dtype,
+        num_trainers_per_group: int,
+        assignment_cost: str = "memory",
+    ) -> None:
+        super().__init__(communication_dtype)
+        world, global_rank = dist.get_world_size(), dist.get_rank()
+        size = world if num_trainers_per_group == -1 else num_trainers_per_group
+        if world % size != 0:
+            raise ValueError(
+                f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} must "
+                f"divide the world size {world} (or be -1 for the whole world)"
+            )
+        self.process_group = None
+        if size != world:
+            # every rank must create every subgroup, in the same order
+            for start in range(0, world, size):
+                group = dist.new_group(list(range(start, start + size)))
+                if start <= global_rank < start + size:
+                    self.process_group = group
+        self.world_size = size
+        self.rank = global_rank % size
+        self.assignment_cost = assignment_cost
+        self.buffer: Tensor | None = None
+        self.segment = 0
+
+    @property
+    def is_sharded_state(self) -> bool:  # type: ignore[override]
+        return self.world_size > 1
+
+    def global_rank_and_world(self) -> tuple[int, int]:
+        return dist.get_rank(), dist.get_world_size()
+
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
+        costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
+        return greedy_assignment(costs, self.world_size)
+
+    def allocate_directions(self, stacks) -> None:
+        devices = {s.device for s in stacks}
+        if len(devices) > 1:
+            raise ValueError(
+                f"DistributedShampoo: distributed mode needs every parameter on one device, "
+                f"found {sorted(map(str, devices))}"
+            )
+        sizes = [0] * self.world_size
+        offsets = []
+        for stack in stacks:
+            offsets.append(sizes[stack.rank])
+            sizes[stack.rank] += len(stack.members) * math.prod(stack.shape)
+        self.segment = max(sizes) if sizes else 0
+        device = devices.pop() if devices else torch.device("cpu")
+        self.buffer = torch.zeros(
+            self.world_size * self.segment, dtype=self.communication_dtype, device=device
+        )
+        for stack, offset in zip(stacks, offsets):
+            start = stack.rank * self.segment + offset
+            numel = len(stack.members) * math.prod(stack.shape)
+            stack.directions = self.buffer[start : start + numel].view(
+                len(stack.members), *stack.shape
+            )
+
+    def any_rank(self, flag: bool) -> bool:
+        device = self.buffer.device if self.buffer is not None else torch.device("cpu")
+        return world_any(flag, device)
+
+    def all_gather(self) -> None:
+        if self.buffer is None or self.segment == 0:
+            return
+        # In place: this rank's input is its own slice of the output buffer.
+        local = self.buffer[self.rank * self.segment : (self.rank + 1) * self.segment]
+        # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.14)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(self.buffer, local, group=self.process_group)

@@ -1,0 +1,98 @@
+"""Which distributor a set of parameters gets: ``make_distributor`` for ``distributed``
+= "auto" | "none" | "ddp" | "fsdp"."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .base import Distributor
+from .ddp import DataParallelDistributor
+from .fsdp import LocalShardDistributor, ShardedDistributor, refuse_unsupported, sharding_mesh
+from .single import SingleProcessDistributor
+
+
+def _accelerate_world() -> bool:
+    """True when Accelerate's process state has set up distributed training."""
+    try:
+        from accelerate.state import PartialState
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        return False
+    if not PartialState._shared_state:  # not initialised: do not initialise it here
+        return False
+    state = PartialState()
+    return bool(state.use_distributed) and state.num_processes > 1
+
+
+def make_distributor(
+    mode: str,
+    params: Sequence[Tensor],
+    num_trainers_per_group: int,
+    communication_dtype: torch.dtype,
+    assignment_cost: str = "memory",
+    fsdp_mode: str = "lossless",
+    current: Distributor | None = None,
+    final: bool = True,
+) -> Distributor:
+    """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" | "fsdp".
+
+    "auto": FSDP2 (``fsdp.py``) when the parameters are ``fully_shard`` DTensors, else
+    Accelerate's world when its process state has set up distributed training, else
+    torch.distributed's default group when initialised with more than one rank, else one
+    process. "ddp" and "fsdp" insist on their kind; "none" is always one process.
+    ``current`` is kept when it is already the right one. ``final=False`` (at
+    construction, before Accelerate may swap in sharded parameters) defers the check that
+    "fsdp" has DTensors to the first step.
+    """
+    grid = sharding_mesh(params)
+    if mode in ("none", "ddp") or (mode == "auto" and grid is None):
+        refuse_unsupported(params, sharded_ok=False)
+    else:
+        refuse_unsupported(params, sharded_ok=True)
+    if mode == "none":  # (a subclass set by hand, as the benchmarks' simulated ranks, stays)
+        return current if current is not None else SingleProcessDistributor()
+    initialised = dist.is_available() and dist.is_initialized()
+    if mode == "fsdp" or grid is not None:
+        if grid is None:
+            if final:
+                raise ValueError(
+                    "DistributedShampoo: distributed='fsdp' needs parameters sharded by "
+                    "torch.distributed.fsdp.fully_shard (FSDP2 DTensors); these are plain "
+                    "tensors. Shard the model before the first step, or use "
+                    "distributed='auto'"
+                )
+            return current or SingleProcessDistributor()
+        if num_trainers_per_group != -1:
+            raise ValueError(
+                f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} applies "
+                "to data-parallel training; with FSDP2 parameters blocks are spread over the "
+                "whole mesh (use -1)"
+            )
+        kind = ShardedDistributor if fsdp_mode == "lossless" else LocalShardDistributor
+        if type(current) is kind and current.grid == grid:
+            return current
+        if kind is ShardedDistributor:
+            return ShardedDistributor(grid, communication_dtype, assignment_cost)
+        return LocalShardDistributor(grid, communication_dtype)
+    if isinstance(current, DataParallelDistributor) or (
+        type(current) is SingleProcessDistributor and mode == "auto"
+    ):
+        return current
+    if mode == "ddp":
+        if not initialised:
+            raise ValueError(
+                "DistributedShampoo: distributed='ddp' needs an initialised process group "
+                "(torch.distributed.init_process_group, torchrun or accelerate launch); use "
+                "distributed='auto' or 'none' for one process"
+            )
+        return DataParallelDistributor(
+            communication_dtype, num_trainers_per_group, assignment_cost
+        )
+    if (_accelerate_world() or initialised) and dist.is_initialized() and dist.get_world_size() > 1:
+        return DataParallelDistributor(
+            communication_dtype, num_trainers_per_group, assignment_cost
+        )
+    return SingleProcessDistributor()
