@@ -53,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "newton_schulz_dtype": None,
     "spectral_lr_adjustment": None,
     "sign_scale": None,
+    "check_finite_gradients": True,
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -109,7 +110,7 @@ REFRESH_SCHEDULES = ("all", "staggered")
 
 # Keywords that describe the whole optimizer, not one group: they must agree across groups.
 GLOBAL_KEYS = ("distributed", "fsdp_mode", "communication_dtype", "num_trainers_per_group",
-               "assignment_cost")
+               "assignment_cost", "check_finite_gradients")
 
 # Keywords that decide which state tensors exist and how parameters are blocked. They are
 # fixed once state exists, and a checkpoint must agree with them to be loaded.
@@ -211,6 +212,8 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_choice("weight_decay_type", group["weight_decay_type"], WEIGHT_DECAY_TYPES)
     if not isinstance(group["use_bias_correction"], bool):
         _fail("use_bias_correction", group["use_bias_correction"], "expected True or False")
+    if not isinstance(group["check_finite_gradients"], bool):
+        _fail("check_finite_gradients", group["check_finite_gradients"], "expected True or False")
     _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
     _check_int("precondition_frequency", group["precondition_frequency"], 1)
     _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)

@@ -91,6 +91,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         newton_schulz_dtype: torch.dtype | None = DEFAULTS["newton_schulz_dtype"],
         spectral_lr_adjustment: str | None = DEFAULTS["spectral_lr_adjustment"],
         sign_scale: str | None = DEFAULTS["sign_scale"],
+        check_finite_gradients: bool = DEFAULTS["check_finite_gradients"],
     ) -> None:
         defaults = {key: value for key, value in locals().items() if key in DEFAULTS}
         for key in ("betas", "newton_schulz_coefficients"):
@@ -263,7 +264,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         """One optimizer step (SPEC §2); returns the closure's loss if one is given.
 
         The stages, each a function of ``pipeline.py``, run so that nothing is half-done:
-        gather the owned stacks' gradients and plan each block's step; check the refreshed
+        refuse non-finite gradients (``check_finite_gradients``); gather the owned stacks'
+        gradients and plan each block's step; check the refreshed
         factors before any state or parameter changes; compute every owned block's
         direction ``-lr * P``; the distributor shares the directions and applies them.
         """
@@ -279,7 +281,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._update_refresh_offsets(layout)
         steps = [group["step"] + 1 for group in groups]
 
-        active = distributor.active_members(layout.stacks)
+        active, nonfinite = distributor.active_members(
+            layout.stacks, self.defaults["check_finite_gradients"])
+        pipeline.refuse_nonfinite_gradients(nonfinite, layout, max(steps, default=0))
         distributor.prepare_step(layout, active, self._needs_params)
         jobs = pipeline.gather_gradients(layout, groups, steps, active, distributor,
                                          self._stacked_params)

@@ -1,5 +1,7 @@
 """The optimizer step's stages over a layout (SPEC §2), in the order ``step()`` runs them.
 
+0. ``refuse_nonfinite_gradients``: a nan or an inf in any gradient (the distributor found
+   it, on every rank alike) raises before any state or parameter changes;
 1. ``gather_gradients``: each owned stack's gradients (blocks whose gradient is None are
    skipped), stacked, with L2 weight decay, and a plan of what every block does this step
    (its refresh schedule: ``refresh_schedule``);
@@ -25,7 +27,7 @@ from torch import Tensor
 
 from .blocking import ParamBlocking
 from .config import is_preconditioning, is_refresh_step, start_step
-from .distributors import Distributor, greedy_assignment
+from .distributors import OTHER_RANK, Distributor, greedy_assignment
 from .linalg import finite_rows
 from .preconditioners import kind_of
 from .stack import BlockStack, ShampooNumericalError, StackStep, Workspace
@@ -40,6 +42,28 @@ class Layout:
     owned: list[BlockStack]  # the stacks whose state lives on this rank
     params: list[int]  # ids of the parameters it was built for (Accelerate may swap them)
 
+
+
+def refuse_nonfinite_gradients(nonfinite: list[int], layout: Layout, step: int) -> None:
+    """Stage 0: raise ``ShampooNumericalError`` naming the first parameter (by index) whose
+    gradient holds a nan or an inf; every rank raises alike, nothing has changed yet."""
+    if not nonfinite:
+        return
+    if nonfinite == [OTHER_RANK]:
+        raise ShampooNumericalError(
+            f"DistributedShampoo: another rank found a non-finite gradient (nan or inf) at "
+            f"step {step} (its error names the parameter); no parameter or optimizer state "
+            "was changed by this step"
+        )
+    names = {b.param_index: b.name for s in layout.stacks for b in s.members}
+    listed = ", ".join(repr(names[i]) for i in nonfinite[:3])
+    more = f" and {len(nonfinite) - 3} more" if len(nonfinite) > 3 else ""
+    raise ShampooNumericalError(
+        f"DistributedShampoo: non-finite gradient (nan or inf) for parameter {listed}{more} "
+        f"at step {step}; no parameter or optimizer state was changed by this step. Skip "
+        "such steps (AMP's GradScaler does), or pass check_finite_gradients=False to leave "
+        "the check to your own code"
+    )
 
 
 def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],

@@ -219,11 +219,12 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
             load_sharded(opt, saved)
             train(config, steps=3, params=params, optimizer=opt, first_step=4)
             results[f"resumed_{name}"] = [p.detach().clone() for p in params]
-    # a NaN gradient at a refresh step: every rank raises (the owner names the parameter),
-    # none waits in the all-gather, and no parameter moves
+    # with the gradient check off, a NaN gradient at a refresh step gives a non-finite
+    # factor: every rank raises (the owner names the parameter), none waits in the
+    # all-gather, and no parameter moves
     from hf_shampoo import ShampooNumericalError
 
-    params, opt = train(SCENARIOS["shampoo_adam"], steps=1)
+    params, opt = train(dict(SCENARIOS["shampoo_adam"], check_finite_gradients=False), steps=1)
     before = [p.detach().clone() for p in params]
     set_grads(params, 2, no_grad={})
     params[1].grad[0, 0] = float("nan")
@@ -233,6 +234,19 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
     except ShampooNumericalError as error:
         results["nan"] = str(error)
     results["nan_unchanged"] = all(torch.equal(p, b) for p, b in zip(params, before))
+    # with the check (the default), a NaN gradient on a step without a refresh: every rank
+    # raises naming the parameter, before any collective, and nothing moves
+    params, opt = train(SCENARIOS["shampoo_adam"], steps=2)  # refreshes at 2, 4, ...
+    before = [p.detach().clone() for p in params]
+    set_grads(params, 3, no_grad={})
+    params[2].grad[3] = float("nan")
+    try:
+        opt.step()
+        results["nan_grad"] = "stepped"
+    except ShampooNumericalError as error:
+        results["nan_grad"] = str(error)
+    results["nan_grad_unchanged"] = all(torch.equal(p, b) for p, b in zip(params, before))
+    results["nan_grad_step"] = opt.param_groups[0]["step"]
     results["ddp"] = _ddp_scenario(rank, world)
     results["accelerate"] = _accelerate_scenario(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -191,7 +191,8 @@ def _non_finite_refresh(mesh, results: dict) -> None:
     (none waits in a collective), and no parameter moves."""
     from hf_shampoo import ShampooNumericalError
 
-    params, opt = train(mesh, SCENARIOS["shampoo_adam"], steps=1)
+    params, opt = train(mesh, dict(SCENARIOS["shampoo_adam"], check_finite_gradients=False),
+                        steps=1)
     before = [full(p) for p in params]
     set_sharded_grads(params, mesh, 2)
     grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(5))
@@ -203,6 +204,21 @@ def _non_finite_refresh(mesh, results: dict) -> None:
     except ShampooNumericalError as error:
         results["nan"] = str(error)
     results["nan_unchanged"] = all(torch.equal(full(p), b) for p, b in zip(params, before))
+    # with the check (the default), a NaN in one rank's gradient shard on a step without a
+    # refresh: every rank raises naming the parameter, and nothing moves
+    params, opt = train(mesh, SCENARIOS["shampoo_adam"], steps=2)  # refreshes at 2, 4, ...
+    before = [full(p) for p in params]
+    set_sharded_grads(params, mesh, 3)
+    grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(6))
+    grad[-1, 0] = float("inf")  # the last rows: the last shard's rank holds them
+    params[1].grad = distribute_tensor(grad, mesh, placements(mesh))
+    try:
+        opt.step()
+        results["nan_grad"] = "stepped"
+    except ShampooNumericalError as error:
+        results["nan_grad"] = str(error)
+    results["nan_grad_unchanged"] = all(torch.equal(full(p), b) for p, b in zip(params, before))
+    results["nan_grad_step"] = opt.param_groups[0]["step"]
 
 
 def _local_mode(mesh, results: dict) -> None:
@@ -215,6 +231,23 @@ def _local_mode(mesh, results: dict) -> None:
     results["local_kind"] = type(opt._distributor).__name__
     results["local_state_keys"] = sorted(
         k for entry in opt.state_dict()["state"].values() for k in entry)
+    # an inf in the last rank's shard only: every rank raises (local mode agrees by one
+    # all_reduce of the flags), and no rank's shard moves
+    from hf_shampoo import ShampooNumericalError
+
+    params, opt = train(mesh, config, steps=2)
+    before = [full(p) for p in params]
+    set_sharded_grads(params, mesh, 3)
+    grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(6))
+    grad[-1, 0] = float("inf")
+    params[1].grad = distribute_tensor(grad, mesh, placements(mesh))
+    try:
+        opt.step()
+        results["local_nan_grad"] = "stepped"
+    except ShampooNumericalError as error:
+        results["local_nan_grad"] = str(error)
+    results["local_nan_grad_unchanged"] = all(
+        torch.equal(full(p), b) for p, b in zip(params, before))
 
 
 def _fully_shard_model(mesh, results: dict) -> None:

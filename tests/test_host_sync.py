@@ -1,4 +1,5 @@
-"""A steady step (no refresh due) never waits for the device: no host synchronisation.
+"""A steady step (no refresh due) waits for the device once at most: for the check of the
+gradients (``check_finite_gradients``, on by default), and not at all without it.
 
 On a GPU, reading a tensor's value on the host (``.item()``, ``bool()``, ``.tolist()``,
 ``.cpu()``, ``nonzero()``, boolean-mask indexing) stops the CPU until every queued kernel
@@ -7,6 +8,7 @@ every preconditioner kind with those entry points instrumented and assert that n
 reached from ``hf_shampoo``'s code. They run on any device; on CUDA, torch's own sync
 debug mode is also set to ``"error"`` around the steady steps. (Refresh steps do
 synchronise: they check every new factor for non-finite values before changing anything.)
+The gradient check is one fused pass whose single answer is read on the host.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _optimizer(**kw):
               for s in shapes]
     opt = DistributedShampoo(params, lr=1e-2, precondition_frequency=4,
                              start_preconditioning_step=4, max_preconditioner_dim=16,
-                             distributed="none", **kw)
+                             distributed="none", **{"check_finite_gradients": False, **kw})
     grads = [[torch.randn(s, generator=g, device=TEST_DEVICE) for s in shapes]
              for _ in range(7)]
     return opt, params, grads
@@ -113,6 +115,19 @@ def test_steady_steps_do_not_synchronise(kind):
         _step(opt, params, grads[6])
     assert not sites, "host synchronisation in a steady step:\n" + "\n".join(sites)
     assert all(not torch.equal(a, p) for a, p in zip(before, params))  # they did step
+
+
+def test_the_gradient_check_synchronises_once_per_step():
+    """With ``check_finite_gradients`` (the default), a steady step reads one answer on the
+    host, in the distributor's fused check, and nothing else."""
+    opt, params, grads = _optimizer(check_finite_gradients=True)
+    for t in range(5):
+        _step(opt, params, grads[t])
+    with recorded_syncs() as sites:
+        if TEST_DEVICE.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+        _step(opt, params, grads[5])
+    assert len(sites) == 1 and "distributors/base.py" in sites[0], sites
 
 
 def test_the_check_sees_a_synchronisation(monkeypatch):

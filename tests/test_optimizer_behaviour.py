@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from hf_shampoo import DistributedShampoo
+from hf_shampoo import DistributedShampoo, ShampooNumericalError
 from tests.helpers import F64, generator, random_tensors
 from tests.reference_shampoo import ReferenceShampoo
 
@@ -114,13 +114,16 @@ def test_param_without_grad_is_skipped(preconditioner):
 
 
 @pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
-def test_nan_gradient_at_refresh_raises_and_changes_nothing(preconditioner):
+def test_non_finite_factor_at_refresh_raises_and_changes_nothing(preconditioner):
+    """With the gradient check off, a NaN gradient reaches the factor statistics; the
+    refresh finds the non-finite factor before anything changes."""
     gen = generator(0)
     named = [
         ("encoder.w_first", torch.nn.Parameter(torch.randn(4, 3, generator=gen))),
         ("decoder.w_second", torch.nn.Parameter(torch.randn(5, generator=gen))),
     ]
-    opt = DistributedShampoo(named, lr=0.1, precondition_frequency=3, preconditioner=preconditioner)
+    opt = DistributedShampoo(named, lr=0.1, precondition_frequency=3, preconditioner=preconditioner,
+                             check_finite_gradients=False)
     for _ in range(5):  # refreshes at t = 3 (and 6)
         for _, p in named:
             p.grad = torch.randn(p.shape, generator=gen)
@@ -291,3 +294,76 @@ def test_diagonal_preconditioner_is_the_grafting_method_alone():
     torch.testing.assert_close(w, w_ref, rtol=1e-12, atol=1e-14)
     keys = opt.state_dict()["state"][0]
     assert not any("factor_matrix" in k for k in keys)
+
+
+def _state_snapshot(opt) -> dict:
+    return {(i, k): v.clone() for i, entry in opt.state_dict()["state"].items()
+            for k, v in entry.items()}
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected", "diagonal",
+                                            "spectral_descent"])
+def test_non_finite_gradient_between_refreshes_is_refused(bad_value, preconditioner):
+    """A nan or inf gradient on a step without a refresh raises at that step, naming the
+    parameter, with no parameter, state or step counter changed; the run then continues
+    exactly as one that never saw the bad gradient."""
+    gen = generator(1)
+    shapes = {"encoder.w": (6, 4), "decoder.w": (5, 3)}
+    init = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(6)]
+    config = dict(lr=0.05, precondition_frequency=5, preconditioner=preconditioner,
+                  grafting="adam" if preconditioner != "spectral_descent" else None)
+
+    def run(poison_at: int | None):
+        named = [(n, torch.nn.Parameter(v.clone())) for n, v in init.items()]
+        opt = DistributedShampoo(named, **config)
+        for t, g in enumerate(grads, start=1):
+            if t == poison_at:
+                for n, p in named:
+                    p.grad = g[n].clone()
+                named[1][1].grad[2, 1] = bad_value
+                params, state = [p.detach().clone() for _, p in named], _state_snapshot(opt)
+                with pytest.raises(ShampooNumericalError) as info:
+                    opt.step()
+                message = str(info.value)
+                assert "'decoder.w'" in message and "'encoder.w'" not in message, message
+                assert f"step {t}" in message and "check_finite_gradients" in message
+                assert all(torch.equal(p.detach(), b) for (_, p), b in zip(named, params))
+                after = _state_snapshot(opt)
+                assert after.keys() == state.keys()
+                assert all(torch.equal(after[k], state[k]) for k in state)
+                assert opt.param_groups[0]["step"] == t - 1
+            for n, p in named:
+                p.grad = g[n].clone()
+            opt.step()
+        return [p.detach() for _, p in named]
+
+    clean, poisoned = run(None), run(3)  # step 3: no refresh (they are at 5, 10, ...)
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a, b)
+
+
+def test_the_gradient_check_can_be_turned_off():
+    """check_finite_gradients=False: the step does not look (the caller checks elsewhere);
+    a nan gradient between refreshes then reaches the weights, as the docs say."""
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    opt = DistributedShampoo([p], lr=0.1, precondition_frequency=10,
+                             check_finite_gradients=False)
+    p.grad = torch.ones(4, 3)
+    opt.step()
+    p.grad = torch.full((4, 3), float("nan"))
+    opt.step()
+    assert torch.isnan(p.detach()).all()
+
+
+@pytest.mark.parametrize("value", [0, 1, "yes", None])
+def test_check_finite_gradients_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="check_finite_gradients.*expected True or False"):
+        DistributedShampoo([torch.nn.Parameter(torch.ones(2))], check_finite_gradients=value)
+
+
+def test_check_finite_gradients_is_one_setting_for_the_whole_optimizer():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="check_finite_gradients=False differs"):
+        DistributedShampoo([{"params": [a]}, {"params": [b], "check_finite_gradients": False}])

@@ -136,6 +136,18 @@ def test_a_non_finite_factor_stops_every_rank_and_moves_nothing(runs, mesh):
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
+def test_a_non_finite_gradient_shard_stops_every_rank_between_refreshes(runs, mesh):
+    messages = [r["nan_grad"] for r in runs[mesh]]
+    assert all("non-finite gradient" in m and "'group 0 param 1 (shape (40, 20))'" in m
+               and "step 3" in m for m in messages), messages
+    assert all(r["nan_grad_unchanged"] and r["nan_grad_step"] == 2 for r in runs[mesh])
+    local = [r["local_nan_grad"] for r in runs[mesh]]
+    assert all("non-finite gradient" in m and "step 3" in m for m in local), local
+    assert any("(shape (" in m for m in local)  # the rank holding the inf names it
+    assert all(r["local_nan_grad_unchanged"] for r in runs[mesh])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
 def test_local_mode_is_one_process_on_each_local_shard(runs, mesh):
     world = len(runs[mesh])
     shards = 2 if mesh == "hsdp" else world

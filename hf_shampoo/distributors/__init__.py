@@ -5,13 +5,14 @@ the three ways of exchanging directions (none, one all-gather, FSDP2 / HSDP row 
 and import only ``base``; ``factory.make_distributor`` picks one for the parameters.
 """
 
-from .base import Distributor, block_cost, greedy_assignment
+from .base import OTHER_RANK, Distributor, block_cost, greedy_assignment
 from .ddp import DataParallelDistributor
 from .factory import make_distributor
 from .fsdp import LocalShardDistributor, ShardedDistributor
 from .single import SingleProcessDistributor
 
 __all__ = [
+    "OTHER_RANK",
     "DataParallelDistributor",
     "Distributor",
     "LocalShardDistributor",

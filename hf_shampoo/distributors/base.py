@@ -45,10 +45,15 @@ def greedy_assignment(costs: Sequence[float], num_ranks: int) -> list[int]:
     return owners
 
 
+#: in ``active_members``' list of non-finite gradients: another rank found one
+OTHER_RANK = -1
+
+
 class Distributor:
     """Where blocks live: the interface the optimizer's step drives.
 
-    The step calls, in this order: ``active_members`` (which blocks have a gradient),
+    The step calls, in this order: ``active_members`` (which blocks have a gradient, and
+    which gradients are not finite),
     ``prepare_step`` (bring owned blocks' inputs to their owner), ``stacked_grads`` /
     ``stacked_params`` (an owned stack's inputs), then ``finish_step`` (share the
     directions and add every block's to its parameter). At layout time it calls
@@ -89,9 +94,20 @@ class Distributor:
         return any(s.directions is None or s.directions.device != s.device for s in stacks)
 
     # ------------------------------------------------------------- one step
-    def active_members(self, stacks) -> dict[int, list[int]]:
-        """``id(stack)`` → positions of its blocks whose parameter has a gradient."""
-        return {id(stack): _active_members(stack) for stack in stacks}
+    def active_members(self, stacks, check_finite: bool = False
+                       ) -> tuple[dict[int, list[int]], list[int]]:
+        """``id(stack)`` → positions of its blocks whose parameter has a gradient; and, with
+        ``check_finite``, the indices of the parameters whose gradient holds a nan or an
+        inf (one fused pass over the gradients, one host synchronisation). Every rank gets
+        the same answer: data-parallel gradients are the same on every rank."""
+        active = {id(stack): _active_members(stack) for stack in stacks}
+        if not check_finite:
+            return active, []
+        params = params_with_gradients(stacks, active)
+        flags = nonfinite_flags([self.local(p.grad) for p in params.values()])
+        if flags is None or not bool(flags.any()):
+            return active, []
+        return active, [i for i, bad in zip(params, flags.tolist()) if bad]
 
     def prepare_step(self, layout, active: dict[int, list[int]], needs_params) -> None:
         """Bring the inputs of owned blocks to their owner (nothing to do here)."""
@@ -142,6 +158,41 @@ def _active_members(stack) -> list[int]:
             )
         active.append(i)
     return active
+
+
+def params_with_gradients(stacks, active: dict[int, list[int]] | None = None
+                          ) -> dict[int, Tensor]:
+    """``param_index`` → parameter, in index order, of the blocks in ``active`` (every
+    block when None)."""
+    params: dict[int, Tensor] = {}
+    for stack in stacks:
+        members = range(len(stack.members)) if active is None else active[id(stack)]
+        for m in members:
+            block = stack.members[m]
+            params.setdefault(block.param_index, block.param)
+    return dict(sorted(params.items()))
+
+
+def nonfinite_flags(tensors: Sequence[Tensor]) -> Tensor | None:
+    """One bool per tensor, True where it holds a nan or an inf, on the first tensor's
+    device without a host synchronisation: the largest magnitude of each (fused per device
+    and dtype, which also keeps a large float64 value from overflowing) is not finite.
+    None for no tensors."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    groups: dict[tuple, list[int]] = {}
+    for position, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(position)
+    flags = torch.zeros(len(tensors), dtype=torch.bool, device=device)
+    for positions in groups.values():
+        positions = [p for p in positions if tensors[p].numel() > 0]  # an empty shard is finite
+        if not positions:
+            continue
+        largest = torch._foreach_norm([tensors[p] for p in positions], float("inf"))
+        bad = ~torch.stack(largest).isfinite()
+        flags[torch.tensor(positions, device=device)] = bad.to(device)
+    return flags
 
 
 def stack_buffer(stack, name: str) -> Tensor:

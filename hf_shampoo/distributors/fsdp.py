@@ -36,7 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Distributor, allocate_per_stack, block_cost, stack_buffer, world_any
+from .base import (
+    OTHER_RANK,
+    Distributor,
+    allocate_per_stack,
+    block_cost,
+    nonfinite_flags,
+    params_with_gradients,
+    stack_buffer,
+    world_any,
+)
 
 _SUPPORTED = (
     "DistributedShampoo supports plain parameters (one process, DDP) and FSDP2 "
@@ -318,22 +327,16 @@ class ShardedDistributor(Distributor):
                                             != s.device) for s in stacks)
 
     # ------------------------------------------------------------- one step
-    def active_members(self, stacks) -> dict[int, list[int]]:
-        """Blocks of parameters that have a gradient on any rank (one ``all_reduce``), so
-        that every rank agrees on what moves this step."""
+    def active_members(self, stacks, check_finite: bool = False
+                       ) -> tuple[dict[int, list[int]], list[int]]:
+        """Blocks of parameters that have a gradient on any rank and, with
+        ``check_finite``, the parameters whose gradient shard holds a nan or an inf on any
+        rank: both in one ``all_reduce``, so that every rank agrees on what moves."""
         self.bytes_last_step = 0
-        params: dict[int, Tensor] = {}
-        for stack in stacks:
-            for block in stack.members:
-                params.setdefault(block.param_index, block.param)
-        order = sorted(params)
-        device = next(iter(params.values())).device if params else torch.device("cpu")
-        flags = torch.tensor([params[i].grad is not None for i in order], dtype=torch.int32,
-                             device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        has_grad = {i for i, f in zip(order, flags.tolist()) if f}
-        return {id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
-                for stack in stacks}
+        params = params_with_gradients(stacks)
+        has_grad, bad = _flags_on_every_rank(params, check_finite)
+        return ({id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
+                 for stack in stacks}, bad)
 
     def prepare_step(self, layout, active: dict[int, list[int]], needs_params) -> None:
         """Gradient (and parameter, where ``needs_params(stack)``) rows → owners."""
@@ -458,6 +461,30 @@ class ShardedDistributor(Distributor):
         return list(out.split(recv_sizes))
 
 
+def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool
+                         ) -> tuple[set[int], list[int]]:
+    """Which parameters have a gradient on some rank, and (``check_finite``) which have a
+    nan or an inf in some rank's gradient shard: one ``all_reduce`` of two flags per
+    parameter, one host synchronisation."""
+    order = list(params)
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    flags = torch.zeros((2, len(order)), dtype=torch.int32, device=device)
+    flags[0] = torch.tensor([params[i].grad is not None for i in order], dtype=torch.int32,
+                            device=device)
+    with_grad = [k for k, i in enumerate(order) if params[i].grad is not None]
+    if check_finite and with_grad:
+        bad = nonfinite_flags([_local(params[order[k]].grad) for k in with_grad])
+        flags[1, torch.tensor(with_grad, device=device)] = bad.to(torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    has_grad, nonfinite = flags.tolist()
+    return ({i for i, f in zip(order, has_grad) if f},
+            [i for i, f in zip(order, nonfinite) if f])
+
+
+def _device_of(stacks) -> torch.device:
+    return stacks[0].device if stacks else torch.device("cpu")
+
+
 def _exchange_dtype(stacks) -> torch.dtype:
     """Gradients travel in the widest working dtype, so that nothing is rounded on the way."""
     return torch.float64 if any(s.work_dtype == torch.float64 for s in stacks) else torch.float32
@@ -486,6 +513,16 @@ class LocalShardDistributor(Distributor):
 
     def state_key_prefix(self) -> str:
         return f"shard{self.shard_index}of{self.num_shards}."
+
+    def active_members(self, stacks, check_finite: bool = False
+                       ) -> tuple[dict[int, list[int]], list[int]]:
+        """As in one process, but a nan or an inf in any rank's shard stops every rank (one
+        ``all_reduce`` of one flag, only with ``check_finite``): ranks hold different
+        shards, and their blocks differ, so the ranks without it report ``OTHER_RANK``."""
+        active, bad = super().active_members(stacks, check_finite)
+        if check_finite and world_any(bool(bad), _device_of(stacks)) and not bad:
+            bad = [OTHER_RANK]
+        return active, bad
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
         return [0] * len(block_shapes)  # every rank owns the blocks of its own shards
