@@ -167,7 +167,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         super().add_param_group(group)
         if self._layout is not None:
             self._layout = None if not any(s.state for s in self._layout.owned) else \
-                self._extend_layout(self._layout)
+                self._extend_layout(self._layout, self._trainable())
 
     # ------------------------------------------------------------------ layout
     def _all_params(self) -> list[Tensor]:
@@ -181,26 +181,43 @@ class DistributedShampoo(torch.optim.Optimizer):
             current=self._distributor, final=final,
         )
 
-    def _blocks(self, group_indices: Iterable[int]) -> tuple[dict, list[BlockRef]]:
+    def _param_refs(self) -> list[tuple[int, int, Tensor]]:
+        """``(group index, position in the group, parameter)`` of every parameter, in the
+        order of its ``param_index`` (torch's numbering over all groups)."""
+        return [(gi, k, p) for gi, group in enumerate(self.param_groups)
+                for k, p in enumerate(group["params"])]
+
+    def param_name(self, index: int) -> str:
+        """The name of parameter ``param_index`` in errors and ``describe()``: its name in
+        the group's ``param_names``, else its group, position and shape."""
+        gi, k, param = self._param_refs()[index]
+        names = self.param_groups[gi].get("param_names")
+        return names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
+
+    def _trainable(self) -> list[int]:
+        """``param_index`` of the parameters that get blocks and state: those that require
+        a gradient or have one. A frozen parameter (``requires_grad=False``, no gradient)
+        gets nothing, as torch's optimizers give it no state, until it has one. Every rank
+        agrees without communicating: the model's code decides ``requires_grad``."""
+        return [i for i, (_, _, p) in enumerate(self._param_refs())
+                if p.requires_grad or p.grad is not None]
+
+    def _blocks(self, indices: Iterable[int]) -> tuple[dict, list[BlockRef]]:
         blockings, blocks = {}, []
-        offsets = [0]
-        for group in self.param_groups:
-            offsets.append(offsets[-1] + len(group["params"]))
-        for gi in group_indices:
+        refs = self._param_refs()
+        for index in indices:
+            gi, _, param = refs[index]
             group = self.param_groups[gi]
-            names = group.get("param_names")
-            for k, param in enumerate(group["params"]):
-                index = offsets[gi] + k
-                name = names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
-                blocking = ParamBlocking.of(self._distributor.blocking_shape(param),
-                                            group["max_preconditioner_dim"],
-                                            kind_of(group).matrix_blocks)
-                blockings[index] = blocking
-                single = len(blocking.slices) == 1
-                blocks += [
-                    BlockRef(gi, index, b, param, name, blocking.merged, None if single else sl)
-                    for b, sl in enumerate(blocking.slices)
-                ]
+            name = self.param_name(index)
+            blocking = ParamBlocking.of(self._distributor.blocking_shape(param),
+                                        group["max_preconditioner_dim"],
+                                        kind_of(group).matrix_blocks)
+            blockings[index] = blocking
+            single = len(blocking.slices) == 1
+            blocks += [
+                BlockRef(gi, index, b, param, name, blocking.merged, None if single else sl)
+                for b, sl in enumerate(blocking.slices)
+            ]
         return blockings, blocks
 
     def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
@@ -219,7 +236,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             stacks[key].members.append(block)
         return sorted(stacks.values(), key=lambda s: s.rank)
 
-    def _ensure_layout(self) -> Layout:
+    def _ensure_layout(self, also: Iterable[int] = ()) -> Layout:
+        """The layout of every trainable parameter (``_trainable``) and of ``also`` (a
+        checkpoint's parameters), built on first use and extended when one is added."""
         params = [id(p) for p in self._all_params()]
         carried = None
         if self._layout is not None and self._layout.params != params:
@@ -228,10 +247,12 @@ class DistributedShampoo(torch.optim.Optimizer):
             # that training or a load put there moves to the new layout by block identity.
             if any(group["step"] > 0 for group in self.param_groups):
                 carried = self._pack(self._layout.owned)
+                also = {*also, *self._layout.blockings}
             self._layout = None
+        wanted = sorted({*self._trainable(), *also})
         if self._layout is None:
             self._distributor = self._pick_distributor()
-            blockings, blocks = self._blocks(range(len(self.param_groups)))
+            blockings, blocks = self._blocks(wanted)
             stacks = self._make_stacks(blocks, blockings)
             self._layout = Layout(blockings, stacks, [], params)
             self._finish_layout(self._layout)
@@ -239,12 +260,15 @@ class DistributedShampoo(torch.optim.Optimizer):
                 checkpoint.unpack(carried, self.param_groups, self._layout.owned,
                                   *self._rank_and_world(), self._key_prefix(),
                                   self._layout.blockings)
+        elif not set(wanted) <= self._layout.blockings.keys():
+            self._extend_layout(self._layout, wanted)
         return self._layout
 
-    def _extend_layout(self, layout: Layout) -> Layout:
-        known = {b.group_index for s in layout.stacks for b in s.members}
-        new_groups = [gi for gi in range(len(self.param_groups)) if gi not in known]
-        blockings, blocks = self._blocks(new_groups)
+    def _extend_layout(self, layout: Layout, wanted: Iterable[int]) -> Layout:
+        """Add blocks for the ``wanted`` parameters that have none yet (a new param group, a
+        parameter unfrozen during training); existing blocks and their state stay."""
+        new = [i for i in wanted if i not in layout.blockings]
+        blockings, blocks = self._blocks(new)
         layout.blockings.update(blockings)
         layout.stacks = sorted(
             layout.stacks + self._make_stacks(blocks, blockings), key=lambda s: s.rank
@@ -331,7 +355,8 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _pack(self, owned: list[BlockStack]) -> dict[str, Any]:
         """The state dict of these (this rank's) stacks, marked complete or not."""
         return checkpoint.pack(self.param_groups, owned, *self._rank_and_world(),
-                               not self._distributor.is_sharded_state, self._key_prefix())
+                               not self._distributor.is_sharded_state, self._key_prefix(),
+                               self._layout.blockings.keys())
 
     def _rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and world size (0 and 1 in one process)."""
@@ -360,7 +385,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         full or consolidated state loads at any world size). Refuses a state saved for
         another model or another blocking with a ``ValueError`` before changing anything.
         """
-        layout = self._ensure_layout()
+        count = len(self._all_params())
+        saved = {i for i in map(_int_or_none, state_dict.get("state", {})) if i is not None
+                 and 0 <= i < count}
+        layout = self._ensure_layout(also=saved)
         checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world(),
                           self._key_prefix(), layout.blockings)
         self._consolidated = None
@@ -393,3 +421,10 @@ class DistributedShampoo(torch.optim.Optimizer):
                      for i, b in enumerate(s.members)]
         return rows
 
+
+def _int_or_none(key: Any) -> int | None:
+    """A state-dict key as a parameter index (a saved file may hold them as strings)."""
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return None

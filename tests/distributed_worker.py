@@ -131,6 +131,30 @@ def train(config: dict, steps: int = STEPS, shapes=SHAPES, params=None, optimize
     return params, opt
 
 
+FROZEN = 3  # never trained: requires_grad=False and no gradient at every step
+UNFROZEN_AT = 3  # parameter 1 is frozen at steps 1 and 2, trained from step 3
+
+
+def train_frozen(config: dict, steps: int = STEPS, params=None, set_step_grads=None):
+    """Parameter FROZEN frozen throughout, parameter 1 unfrozen at step UNFROZEN_AT."""
+    params = params if params is not None else make_params()
+    params[FROZEN].requires_grad_(False)
+    params[1].requires_grad_(False)
+    opt = optimizer_for(params, config)
+    states = []
+    for step in range(1, steps + 1):
+        if step == UNFROZEN_AT:
+            params[1].requires_grad_(True)
+        no_grad = {FROZEN: range(1, steps + 1), 1: range(1, UNFROZEN_AT)}
+        if set_step_grads is None:
+            set_grads(params, step, no_grad=no_grad)
+        else:
+            set_step_grads(params, step, no_grad)
+        opt.step()
+        states.append(sorted({i for b in opt.describe_blocks() for i in [b["param_index"]]}))
+    return params, opt, states
+
+
 def state_numel(state_dict) -> int:
     return sum(t.numel() for entry in state_dict["state"].values() for t in entry.values())
 
@@ -247,6 +271,10 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
         results["nan_grad"] = str(error)
     results["nan_grad_unchanged"] = all(torch.equal(p, b) for p, b in zip(params, before))
     results["nan_grad_step"] = opt.param_groups[0]["step"]
+    params, opt, blocks = train_frozen(SCENARIOS["shampoo_adam"])
+    opt.consolidate_state_dict(to=None)
+    results["frozen"] = {"params": [p.detach().clone() for p in params], "blocks": blocks,
+                         "state": sorted(opt.state_dict()["state"])}
     results["ddp"] = _ddp_scenario(rank, world)
     results["accelerate"] = _accelerate_scenario(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -221,6 +221,25 @@ def _non_finite_refresh(mesh, results: dict) -> None:
     results["nan_grad_step"] = opt.param_groups[0]["step"]
 
 
+def _frozen(mesh, results: dict) -> None:
+    """A frozen parameter and one unfrozen at step 3, sharded: as in one process."""
+
+    def set_step_grads(params, step, no_grad):
+        for p, grad in zip(params, full_grads(step, no_grad=no_grad)):
+            if grad is None:
+                p.grad = None
+            elif isinstance(p, torch.distributed.tensor.DTensor):
+                p.grad = distribute_tensor(grad, mesh, placements(mesh))
+            else:
+                p.grad = grad
+
+    params, opt, blocks = ddp_worker.train_frozen(
+        SCENARIOS["shampoo_adam"], params=sharded_params(mesh), set_step_grads=set_step_grads)
+    opt.consolidate_state_dict(to=None)
+    results["frozen"] = {"params": [full(p) for p in params], "blocks": blocks,
+                         "state": sorted(opt.state_dict()["state"])}
+
+
 def _local_mode(mesh, results: dict) -> None:
     """fsdp_mode="local" equals one process run on this rank's local shards."""
     config = dict(SCENARIOS["shampoo_adam"], fsdp_mode="local")
@@ -294,6 +313,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
                              "bytes": opt._distributor.bytes_last_step}
         for name in CHECKPOINTED:
             _checkpoints(mesh, out_dir, resume_dir, results, name)
+        _frozen(mesh, results)
         _non_finite_refresh(mesh, results)
         _local_mode(mesh, results)
         _fully_shard_model(mesh, results)

@@ -196,3 +196,35 @@ def test_a_non_finite_gradient_stops_every_rank_between_refreshes(runs, world):
     assert all("non-finite gradient" in m and "param 2 (shape" in m for m in messages), messages
     assert all("step 3" in m for m in messages)
     assert all(r["nan_grad_unchanged"] and r["nan_grad_step"] == 2 for r in runs[world])
+
+
+def test_frozen_parameters_get_no_blocks_and_state_and_unfreezing_adds_them():
+    """One process: a frozen parameter (requires_grad=False, no gradient) has no blocks and
+    no state; unfrozen at step 3 it gets them then and moves exactly as a trainable
+    parameter whose gradient was None at steps 1 and 2."""
+    params, opt, blocks = worker.train_frozen(worker.SCENARIOS["shampoo_adam"])
+    everything = set(range(len(worker.SHAPES)))
+    assert blocks[0] == sorted(everything - {worker.FROZEN, 1})
+    assert blocks[-1] == sorted(everything - {worker.FROZEN})
+    assert sorted(opt.state_dict()["state"]) == sorted(everything - {worker.FROZEN})
+    assert torch.equal(params[worker.FROZEN].detach(),
+                       worker.make_params()[worker.FROZEN].detach())
+    # the same run with parameter 1 trainable but without a gradient at steps 1 and 2
+    reference = worker.make_params()
+    reference[worker.FROZEN].requires_grad_(False)
+    ref_opt = worker.optimizer_for(reference, worker.SCENARIOS["shampoo_adam"])
+    for step in range(1, worker.STEPS + 1):
+        worker.set_grads(reference, step, no_grad={worker.FROZEN: range(1, worker.STEPS + 1),
+                                                   1: range(1, worker.UNFROZEN_AT)})
+        ref_opt.step()
+    _assert_bitwise([p.detach() for p in params], [p.detach() for p in reference])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_frozen_parameters_under_ddp_match_one_process(runs, world):
+    expected, opt, blocks = worker.train_frozen(worker.SCENARIOS["shampoo_adam"])
+    for rank_result in runs[world]:
+        got = rank_result["frozen"]
+        _assert_bitwise(got["params"], [p.detach() for p in expected])
+        assert got["blocks"] == blocks
+        assert got["state"] == sorted(opt.state_dict()["state"])

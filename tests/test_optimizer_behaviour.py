@@ -367,3 +367,83 @@ def test_check_finite_gradients_is_one_setting_for_the_whole_optimizer():
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     with pytest.raises(ValueError, match="check_finite_gradients=False differs"):
         DistributedShampoo([{"params": [a]}, {"params": [b], "check_finite_gradients": False}])
+
+
+def _partly_frozen_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    model[0].requires_grad_(False)  # frozen: weight and bias
+    return model
+
+
+def _train(model, opt, steps, seed=0):
+    gen = generator(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def test_frozen_parameters_hold_no_state_and_describe_says_so():
+    from hf_shampoo.integrations.modules import describe, describe_rows
+
+    model = _partly_frozen_model()
+    opt = DistributedShampoo(model.named_parameters(), lr=0.01, grafting="adam",
+                             precondition_frequency=2)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    _train(model, opt, 3)
+    assert sorted(opt.state_dict()["state"]) == [2, 3]  # model[2].weight and bias only
+    assert {b["param_index"] for b in opt.describe_blocks()} == {2, 3}
+    assert all(torch.equal(p.detach(), f) for p, f in zip(model[0].parameters(), frozen))
+    rows = describe_rows(opt)
+    assert [r["frozen"] for r in rows] == [True, True, False, False]
+    assert rows[0]["name"] == "0.weight" and rows[0]["blocks"] == "frozen: no state"
+    assert "4 parameters (2 frozen, without state)" in describe(opt)
+    # the same state as an optimizer given only the trainable parameters
+    only = _partly_frozen_model()
+    opt_only = DistributedShampoo(only[2].parameters(), lr=0.01, grafting="adam",
+                                  precondition_frequency=2)
+    _train(only, opt_only, 3)
+    assert all(torch.equal(a.detach(), b.detach())
+               for a, b in zip(only[2].parameters(), model[2].parameters()))
+    mine = opt.state_dict()["state"]
+    theirs = opt_only.state_dict()["state"]
+    assert mine[2].keys() == theirs[0].keys()
+    assert all(torch.equal(mine[2][k], theirs[0][k]) for k in mine[2])
+
+
+def test_a_partly_frozen_model_resumes_exactly():
+    model = _partly_frozen_model()
+    opt = DistributedShampoo(model.parameters(), lr=0.01, grafting="adam",
+                             precondition_frequency=2)
+    _train(model, opt, 3)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    _train(model, opt, 3, seed=1)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = _partly_frozen_model()
+    resumed.load_state_dict(saved["model"])
+    opt2 = DistributedShampoo(resumed.parameters(), lr=0.01, grafting="adam",
+                              precondition_frequency=2)
+    opt2.load_state_dict(saved["opt"])
+    _train(resumed, opt2, 3, seed=1)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_state_saved_for_a_parameter_that_is_frozen_now_is_kept():
+    """As in torch: a checkpoint's state for a parameter loads even if it is frozen now,
+    and comes back in ``state_dict()``."""
+    model = _partly_frozen_model()
+    model[0].requires_grad_(True)
+    opt = DistributedShampoo(model.parameters(), lr=0.01, precondition_frequency=2)
+    _train(model, opt, 2)
+    saved = opt.state_dict()
+    again = _partly_frozen_model()
+    opt2 = DistributedShampoo(again.parameters(), lr=0.01, precondition_frequency=2)
+    opt2.load_state_dict(saved)
+    loaded = opt2.state_dict()["state"]
+    assert sorted(loaded) == [0, 1, 2, 3]
+    assert all(torch.equal(loaded[0][k], saved["state"][0][k]) for k in saved["state"][0])

@@ -271,3 +271,21 @@ def test_assignment_is_deterministic_and_spreads_blocks():
     first = _Planner(3).assign(shapes, 8)[1]
     assert first == _Planner(3).assign(shapes, 8)[1]
     assert set(first) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_frozen_parameters_sharded_match_one_process(runs, mesh):
+    """Frozen parameters get no blocks or state on any rank; one unfrozen at step 3 gets
+    them then; the parameters are bit-identical to one process."""
+    frozen = {worker.ddp_worker.FROZEN}
+    expected, opt, blocks = worker.ddp_worker.train_frozen(
+        worker.SCENARIOS["shampoo_adam"], params=[torch.nn.Parameter(t.clone())
+                                                  for t in worker.full_params()],
+        set_step_grads=lambda params, step, no_grad: [
+            setattr(p, "grad", g)
+            for p, g in zip(params, worker.full_grads(step, no_grad=no_grad))])
+    for rank_result in runs[mesh]:
+        got = rank_result["frozen"]
+        _assert_bitwise(got["params"], [p.detach() for p in expected])
+        assert got["blocks"] == blocks and not frozen & set(blocks[-1])
+        assert got["state"] == sorted(opt.state_dict()["state"])

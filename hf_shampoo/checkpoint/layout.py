@@ -11,6 +11,7 @@ with ``torch.load(weights_only=True)``; nothing here communicates.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,21 +25,23 @@ _KEY = re.compile(r"^(shard\d+of\d+\.)?block_(\d+)\.(\w+)$")
 
 def pack(
     param_groups: list[dict], owned_stacks: list, rank: int = 0, world_size: int = 1,
-    complete: bool = True, prefix: str = "",
+    complete: bool = True, prefix: str = "", laid_out: Iterable[int] | None = None,
 ) -> dict[str, Any]:
     """The state dict of ``owned_stacks``. ``"shard"`` records whose blocks it holds: a
     state that is not ``complete`` (one rank's blocks of a distributed run) must hold
     every block the loading rank owns, so that a rank-0-only save never silently resumes
-    without state. ``prefix`` starts every key (``fsdp_mode="local"``)."""
+    without state. ``prefix`` starts every key (``fsdp_mode="local"``). ``laid_out``: the
+    parameters that have blocks (None: all); a frozen one has no entry, as in torch."""
     groups, index = [], 0
     for group in param_groups:
         packed = {k: _encode(v) for k, v in group.items() if k != "params"}
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
-    # an entry for every parameter, also one whose blocks another rank owns:
+    # an entry for every parameter with blocks, also one whose blocks another rank owns:
     # torch.distributed.checkpoint's set_optimizer_state_dict (strict) wants one per parameter
-    state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(index)}
+    laid_out = range(index) if laid_out is None else sorted(laid_out)
+    state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in laid_out}
     for stack in owned_stacks:
         if not stack.state:
             continue

@@ -370,7 +370,9 @@ def _blocks_label(shapes: list[tuple[int, ...]]) -> str:
 
 def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
     """One row per parameter: name, shape, blocks, preconditioner, grafting, weight decay,
-    owning rank(s). Built from ``optimizer.describe_blocks()`` and ``param_groups``."""
+    owning rank(s). Built from ``optimizer.describe_blocks()`` and ``param_groups``; a
+    frozen parameter (``requires_grad=False``, no gradient) has no blocks and no state
+    (``"frozen": True``)."""
     from .accelerate import find_shampoo
 
     shampoo = find_shampoo(optimizer)
@@ -397,11 +399,19 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
         )
         row["block_shapes"].append(tuple(block["shape"]))
         row["ranks"].add(block["rank"])
+    for index, (group, param) in enumerate(owner):
+        if index not in rows:  # frozen: requires_grad=False and no gradient, so no blocks
+            rows[index] = {"name": shampoo.param_name(index), "shape": tuple(param.shape),
+                           "block_shapes": [], "ranks": set(), "preconditioner": "-",
+                           "grafting": "-", "weight_decay": group["weight_decay"],
+                           "frozen": True}
     out = []
     for index in sorted(rows):
         row = rows[index]
-        row["blocks"] = _blocks_label(row["block_shapes"])
-        row["rank"] = ",".join(str(r) for r in sorted(row.pop("ranks")))
+        frozen = row.setdefault("frozen", False)
+        row["blocks"] = "frozen: no state" if frozen else _blocks_label(row["block_shapes"])
+        row["rank"] = "-" if frozen else ",".join(str(r) for r in sorted(row.pop("ranks")))
+        row.pop("ranks", None)
         out.append(row)
     return out
 
@@ -435,8 +445,10 @@ def describe(optimizer: Any) -> str:
         count[0] += 1
         count[1] += int(torch.Size(block["shape"]).numel())
         count[2] += block["state_bytes"]
+    frozen = sum(r["frozen"] for r in rows)
     lines.append(
-        f"{len(rows)} parameters, {len(blocks)} blocks; per rank: "
+        f"{len(rows)} parameters ({frozen} frozen, without state), {len(blocks)} blocks; "
+        "per rank: "
         + ", ".join(
             f"rank {r}: {n} blocks / {e} elements" for r, (n, e, _) in sorted(per_rank.items())
         )
