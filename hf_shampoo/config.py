@@ -7,6 +7,7 @@ state. Errors name the keyword, the value given and what is allowed.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any
@@ -146,9 +147,11 @@ def _check_real(key: str, value: Any, low: float, high: float, low_open=False, h
             value < high if high_open else value <= high
         )
     if not ok:
+        if high == math.inf:
+            _fail(key, value, f"expected a finite real number {'>' if low_open else '>='} {low}")
         lo = "(" if low_open else "["
         hi = ")" if high_open else "]"
-        _fail(key, value, f"expected a real number in {lo}{low}, {high}{hi}")
+        _fail(key, value, f"expected a finite real number in {lo}{low}, {high}{hi}")
 
 
 def _check_int(key: str, value: Any, low: int) -> None:
@@ -182,6 +185,19 @@ def _check_exponent_override(value: Any) -> None:
                 _fail(key, value, f"exponents must be real numbers >= 0, got {exponent!r}")
 
 
+def refuse_unknown_keywords(unknown: dict[str, Any], where: str) -> None:
+    """Raise ``TypeError`` for keywords no option has, with the closest valid names and the
+    list of every valid keyword (Python's own error lists none)."""
+    hints = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, list(DEFAULTS), n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(
+        f"{where}: unknown keyword argument(s) {', '.join(hints)}; valid keywords are "
+        f"params, {', '.join(DEFAULTS)}"
+    )
+
+
 def validate_group(group: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the first invalid keyword of a fully defaulted group."""
     unknown = sorted(k for k in group if k not in DEFAULTS and k not in FOREIGN_GROUP_KEYS)
@@ -193,7 +209,7 @@ def validate_group(group: dict[str, Any]) -> None:
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
-            _fail("lr", lr, "expected a real number >= 0 or a one-element tensor")
+            _fail("lr", lr, "expected a finite real number >= 0 or a one-element tensor")
     else:
         _check_real("lr", lr, 0.0, math.inf)
     betas = group["betas"]

@@ -22,6 +22,7 @@ from .checkpoint.consolidate import gather_state
 from .config import (
     DEFAULTS,
     GLOBAL_KEYS,
+    refuse_unknown_keywords,
     validate_group,
 )
 from .distributors import Distributor, make_distributor
@@ -92,7 +93,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         spectral_lr_adjustment: str | None = DEFAULTS["spectral_lr_adjustment"],
         sign_scale: str | None = DEFAULTS["sign_scale"],
         check_finite_gradients: bool = DEFAULTS["check_finite_gradients"],
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            refuse_unknown_keywords(unknown, "DistributedShampoo()")
         defaults = {key: value for key, value in locals().items() if key in DEFAULTS}
         for key in ("betas", "newton_schulz_coefficients"):
             if isinstance(defaults[key], list):
@@ -337,8 +341,19 @@ class DistributedShampoo(torch.optim.Optimizer):
         """This rank's optimizer state in torch's layout; never communicates (SPEC §6).
 
         After ``consolidate_state_dict(to=r)``, rank ``r`` returns the state of every
-        rank's blocks instead, until the next ``step()``.
+        rank's blocks instead, until the next ``step()``. The hooks registered with
+        ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch's ``Optimizer``.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _state_dict(self) -> dict[str, Any]:
         if self._consolidated is not None:  # a new dict each time: callers edit it in place
             c = self._consolidated
             return {"state": {i: dict(e) for i, e in c["state"].items()},
@@ -384,14 +399,43 @@ class DistributedShampoo(torch.optim.Optimizer):
         """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
         full or consolidated state loads at any world size). Refuses a state saved for
         another model or another blocking with a ``ValueError`` before changing anything.
+        The hooks registered with ``register_load_state_dict_pre_hook`` / ``_post_hook``
+        run as in torch's ``Optimizer``.
         """
-        count = len(self._all_params())
-        saved = {i for i in map(_int_or_none, state_dict.get("state", {})) if i is not None
-                 and 0 <= i < count}
-        layout = self._ensure_layout(also=saved)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        layout = self._ensure_layout(also=_saved_param_indices(state_dict,
+                                                               len(self._all_params())))
         checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world(),
                           self._key_prefix(), layout.blockings)
         self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and ``pickle`` keep: torch's (defaults, param groups)
+        plus this rank's state in the checkpoint layout, so that the copy continues
+        exactly as the original would. Hooks are not kept, as in torch."""
+        state = super().__getstate__()
+        layout = self._layout
+        stepped = layout is not None and any(s.state for s in layout.owned)
+        state["state"] = {}
+        state["_saved_state"] = self._pack(layout.owned) if stepped else None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        saved = state.pop("_saved_state", None)
+        super().__setstate__(state)
+        self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it
+        self._layout, self._consolidated, self._distributor = None, None, None
+        self._workspace, self._schedules = Workspace(), {}
+        self.state = _StateMapping(dict)
+        self._distributor = self._pick_distributor(final=False)
+        if saved is not None:
+            self.load_state_dict(saved)
 
     def owned_state_keys(self) -> list[tuple[int, str]]:
         """``(param_index, "block_{b}.{name}")`` of every state tensor this rank holds or
@@ -422,9 +466,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         return rows
 
 
-def _int_or_none(key: Any) -> int | None:
-    """A state-dict key as a parameter index (a saved file may hold them as strings)."""
+def _saved_param_indices(state_dict: Any, count: int) -> set[int]:
+    """The positions (torch's numbering over all groups) of the parameters that have state
+    in ``state_dict``; nothing for a malformed one, which ``unpack`` then refuses."""
     try:
-        return int(key)
-    except (TypeError, ValueError):
-        return None
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        position = {pid: i for i, pid in enumerate(ids)}
+        return {position[k] for k in state_dict["state"] if k in position
+                and position[k] < count}
+    except (KeyError, TypeError):
+        return set()

@@ -207,10 +207,9 @@ def unpack(
 
     # Everything checked: now change the optimizer.
     for group, merged in zip(param_groups, merged_groups):
-        names = group.get("param_names")
-        group.update({k: v for k, v in merged.items() if k not in ("params", "param_names")})
-        if names is not None:
-            group["param_names"] = names
+        # as torch: the saved hyperparameters and parameter names, or the group's own
+        # names where the saved group has none
+        group.update({k: v for k, v in merged.items() if k != "params"})
     for stack in owned_stacks:
         stack.state.clear()
         stack.failures.clear()

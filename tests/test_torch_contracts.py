@@ -1,0 +1,131 @@
+"""The contracts of ``torch.optim.Optimizer`` that tools rely on: copies that continue
+exactly, state-dict hooks, saved parameter names, clear errors for unknown keywords."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+from hf_shampoo import DistributedShampoo
+from tests.helpers import generator
+
+CONFIG = dict(lr=0.02, grafting="adam", precondition_frequency=3, max_preconditioner_dim=8)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def _train(model, opt, steps, seed):
+    gen = generator(seed)
+    for _ in range(steps):
+        x, y = torch.randn(6, 5, generator=gen), torch.randn(6, 3, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _pickled(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("config", [CONFIG, dict(CONFIG, preconditioner="eigenvalue_corrected",
+                                                 grafting=None, epsilon=1e-8),
+                                    dict(lr=0.02, preconditioner="spectral_descent")])
+def test_a_copy_continues_exactly_like_the_original(how, config):
+    if config.get("preconditioner") == "spectral_descent":
+        model = torch.nn.Sequential(torch.nn.Linear(5, 12, bias=False), torch.nn.Tanh(),
+                                    torch.nn.Linear(12, 3, bias=False))
+    else:
+        model = _model()
+    opt = DistributedShampoo(model.parameters(), **config)
+    _train(model, opt, 4, seed=0)  # past a refresh (t = 3)
+    # copy model and optimizer together, as torch's tests do, so the copy's groups hold
+    # the copied parameters
+    twin_model, twin_opt = (copy.deepcopy if how == "deepcopy" else _pickled)((model, opt))
+    assert twin_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    _train(model, opt, 4, seed=1)
+    _train(twin_model, twin_opt, 4, seed=1)
+    for a, b in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+    mine, theirs = opt.state_dict()["state"], twin_opt.state_dict()["state"]
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in mine[i])
+
+
+def test_a_copy_before_the_first_step_works():
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    twin_model, twin_opt = copy.deepcopy((model, opt))
+    _train(model, opt, 2, seed=0)
+    _train(twin_model, twin_opt, 2, seed=0)
+    for a, b in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_state_dict_hooks_run_as_in_torch():
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    _train(model, opt, 1, seed=0)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("pre", o is opt)))
+
+    def post(o, state_dict):
+        calls.append(("post", "state" in state_dict))
+        state_dict["extra"] = "added by a hook"
+        return state_dict
+
+    opt.register_state_dict_post_hook(post)
+    saved = opt.state_dict()
+    assert calls == [("pre", True), ("post", True)] and saved["extra"] == "added by a hook"
+
+    def load_pre(o, state_dict):
+        calls.append(("load_pre", state_dict.get("extra")))
+        state_dict = dict(state_dict)
+        state_dict.pop("extra")
+        return state_dict
+
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
+    opt.load_state_dict(saved)
+    assert calls[2:] == [("load_pre", "added by a hook"), ("load_post", True)]
+
+
+def test_saved_param_names_survive_a_load_into_unnamed_groups():
+    model = _model()
+    named = DistributedShampoo(model.named_parameters(), **CONFIG)
+    _train(model, named, 1, seed=0)
+    buffer = io.BytesIO()
+    torch.save(named.state_dict(), buffer)
+    buffer.seek(0)
+    unnamed = DistributedShampoo(model.parameters(), **CONFIG)
+    unnamed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert unnamed.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+    assert unnamed.state_dict()["param_groups"][0]["param_names"] == \
+        named.state_dict()["param_groups"][0]["param_names"]
+
+
+def test_an_unknown_keyword_lists_the_valid_ones():
+    with pytest.raises(TypeError) as info:
+        DistributedShampoo([torch.nn.Parameter(torch.ones(2))], lr=0.1, betas2=(0.9, 0.99))
+    message = str(info.value)
+    assert "'betas2' (did you mean 'betas'?)" in message
+    assert "valid keywords are params, lr, betas" in message and "check_finite_gradients" in message
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("lr", float("inf"), "expected a finite real number >= 0.0"),
+    ("lr", -1.0, "expected a finite real number >= 0.0"),
+    ("epsilon", float("inf"), "expected a finite real number > 0.0"),
+    ("weight_decay", float("nan"), "expected a finite real number >= 0.0"),
+    ("momentum", 1.0, "expected a finite real number in [0.0, 1.0)"),
+])
+def test_range_messages_say_exactly_what_is_allowed(key, value, allowed):
+    with pytest.raises(ValueError) as info:
+        DistributedShampoo([torch.nn.Parameter(torch.ones(2))], **{key: value})
+    assert f"invalid {key}={value!r}; {allowed}" in str(info.value)
