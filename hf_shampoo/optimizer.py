@@ -8,7 +8,6 @@ and runs a step as the named stages of ``pipeline.py``, so that nothing is half-
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,16 +28,7 @@ from .distributors import Distributor, make_distributor
 from .pipeline import Layout
 from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
-
-
-class _StateMapping(defaultdict):
-    """``optimizer.state``: empty (the state lives in the stacks; ``state_dict()`` shows
-    it) but never falsy. ``torch.distributed.checkpoint.state_dict`` takes an empty
-    ``optimizer.state`` for "never stepped" and then runs a fake step with zero gradients
-    and lr=0, which here would decay the factor statistics and advance the step count."""
-
-    def __bool__(self) -> bool:
-        return True
+from .state_view import StateView
 
 
 class DistributedShampoo(torch.optim.Optimizer):
@@ -108,7 +98,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
         super().__init__(params, defaults)
-        self.state = _StateMapping(dict)
+        self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
 
     # ------------------------------------------------------------------ groups
@@ -432,7 +422,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it
         self._layout, self._consolidated, self._distributor = None, None, None
         self._workspace, self._schedules = Workspace(), {}
-        self.state = _StateMapping(dict)
+        self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
         if saved is not None:
             self.load_state_dict(saved)

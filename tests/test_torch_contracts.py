@@ -129,3 +129,36 @@ def test_range_messages_say_exactly_what_is_allowed(key, value, allowed):
     with pytest.raises(ValueError) as info:
         DistributedShampoo([torch.nn.Parameter(torch.ones(2))], **{key: value})
     assert f"invalid {key}={value!r}; {allowed}" in str(info.value)
+
+
+def test_optimizer_state_maps_each_parameter_to_views_of_its_state():
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    assert len(opt.state) == 0 and bool(opt.state)  # never falsy (see state_view.py)
+    _train(model, opt, 3, seed=0)
+    params = list(model.parameters())
+    assert len(opt.state) == len(params) and set(map(id, opt.state)) == set(map(id, params))
+    saved = opt.state_dict()["state"]
+    for index, p in enumerate(params):
+        entry = opt.state[p]
+        assert p in opt.state and entry.keys() == saved[index].keys()
+        assert all(torch.equal(entry[k], saved[index][k]) for k in entry)
+    # the torch idiom: walk the values and change state through them
+    for entry in opt.state.values():
+        for key, tensor in entry.items():
+            if key.endswith("grafting_state"):
+                entry[key] = torch.zeros_like(tensor)  # copied into the storage
+    reset = opt.state_dict()["state"]
+    assert all(not reset[i][k].any() for i in reset for k in reset[i]
+               if k.endswith("grafting_state"))
+    assert opt.state[torch.nn.Parameter(torch.ones(1))] == {}  # a stranger: empty, not added
+    with pytest.raises(KeyError, match="no key 'nonsense'"):
+        opt.state[params[0]]["nonsense"] = torch.ones(1)
+
+
+def test_optimizer_state_omits_frozen_parameters():
+    model = _model()
+    model[0].requires_grad_(False)
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    _train(model, opt, 2, seed=0)
+    assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
