@@ -51,10 +51,11 @@ def load_baseline(path: str):
     return module
 
 
-def make(package, params, config):
+def make(package, params, config, **extra):
     opt = package.DistributedShampoo(
         params, lr=1e-3, betas=(0.9, 0.999), max_preconditioner_dim=1024,
-        precondition_frequency=F, start_preconditioning_step=F, distributed="none", **config)
+        precondition_frequency=F, start_preconditioning_step=F, distributed="none", **config,
+        **extra)
     return opt
 
 
@@ -76,6 +77,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="steady steps per optimizer")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--without-gradient-check", action="store_true",
+                        help="this checkout with check_finite_gradients=False (to compare "
+                             "the rest of the step with a revision that had no such check)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     baseline = load_baseline(args.baseline_path)
@@ -92,7 +96,9 @@ def main() -> None:
     for name in args.configs:
         runs = {}
         for label, package in (("new", hf_shampoo), ("old", baseline)):
-            opt = make(package, params, CONFIGS[name])
+            extra = ({"check_finite_gradients": False}
+                     if label == "new" and args.without_gradient_check else {})
+            opt = make(package, params, CONFIGS[name], **extra)
             step(opt, params, grads)  # state
             step(opt, params, grads, F - 1)  # the first refresh
             runs[label] = (opt, [])
