@@ -193,8 +193,15 @@ class DistributedShampoo(torch.optim.Optimizer):
         a gradient or have one. A frozen parameter (``requires_grad=False``, no gradient)
         gets nothing, as torch's optimizers give it no state, until it has one. Every rank
         agrees without communicating: the model's code decides ``requires_grad``."""
-        return [i for i, (_, _, p) in enumerate(self._param_refs())
-                if p.requires_grad or p.grad is not None]
+        seen: set[int] = set()
+        trainable = []
+        for i, (_, _, p) in enumerate(self._param_refs()):
+            if id(p) in seen:
+                continue  # a tensor listed twice is one parameter, as in torch
+            seen.add(id(p))
+            if p.requires_grad or p.grad is not None:
+                trainable.append(i)
+        return trainable
 
     def _blocks(self, indices: Iterable[int]) -> tuple[dict, list[BlockRef]]:
         blockings, blocks = {}, []
@@ -461,7 +468,9 @@ def _saved_param_indices(state_dict: Any, count: int) -> set[int]:
     in ``state_dict``; nothing for a malformed one, which ``unpack`` then refuses."""
     try:
         ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        position = {pid: i for i, pid in enumerate(ids)}
+        position: dict[Any, int] = {}
+        for i, pid in enumerate(ids):
+            position.setdefault(pid, i)
         return {position[k] for k in state_dict["state"] if k in position
                 and position[k] < count}
     except (KeyError, TypeError):

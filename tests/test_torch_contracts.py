@@ -3,6 +3,7 @@ exactly, state-dict hooks, saved parameter names, clear errors for unknown keywo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -162,3 +163,35 @@ def test_optimizer_state_omits_frozen_parameters():
     opt = DistributedShampoo(model.parameters(), **CONFIG)
     _train(model, opt, 2, seed=0)
     assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
+
+
+def test_a_tensor_listed_twice_is_one_parameter_keyed_by_identity():
+    """As torch: a repeated tensor (torch warns) has one state entry, under the index of
+    its first position, and is updated once per step."""
+    gen = generator(3)
+    init_p, init_q = torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)
+    grads = [(torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen))
+             for _ in range(4)]
+
+    def run(listed_twice: bool):
+        p, q = torch.nn.Parameter(init_p.clone()), torch.nn.Parameter(init_q.clone())
+        with pytest.warns(UserWarning, match="duplicate") if listed_twice else \
+                contextlib.nullcontext():
+            opt = DistributedShampoo([p, p, q] if listed_twice else [p, q], **CONFIG)
+        for gp, gq in grads:
+            p.grad, q.grad = gp.clone(), gq.clone()
+            opt.step()
+        return p, q, opt
+
+    p, q, opt = run(True)
+    p1, q1, once = run(False)
+    assert torch.equal(p.detach(), p1.detach()) and torch.equal(q.detach(), q1.detach())
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["params"] == [0, 0, 2]
+    assert sorted(saved["state"]) == [0, 2]
+    assert all(torch.equal(saved["state"][0][k], once.state_dict()["state"][0][k])
+               for k in saved["state"][0])
+    with pytest.warns(UserWarning, match="duplicate"):
+        again = DistributedShampoo([p, p, q], **CONFIG)
+    again.load_state_dict(saved)
+    assert again.state_dict()["state"].keys() == saved["state"].keys()

@@ -33,14 +33,17 @@ def pack(
     without state. ``prefix`` starts every key (``fsdp_mode="local"``). ``laid_out``: the
     parameters that have blocks (None: all); a frozen one has no entry, as in torch."""
     groups, index = [], 0
+    first: dict[int, int] = {}  # a tensor listed twice is one parameter: keyed by identity
     for group in param_groups:
         packed = {k: _encode(v) for k, v in group.items() if k != "params"}
-        packed["params"] = list(range(index, index + len(group["params"])))
-        index += len(group["params"])
+        for param in group["params"]:
+            first.setdefault(id(param), index)
+            index += 1
+        packed["params"] = [first[id(param)] for param in group["params"]]
         groups.append(packed)
     # an entry for every parameter with blocks, also one whose blocks another rank owns:
     # torch.distributed.checkpoint's set_optimizer_state_dict (strict) wants one per parameter
-    laid_out = range(index) if laid_out is None else sorted(laid_out)
+    laid_out = sorted(set(first.values())) if laid_out is None else sorted(laid_out)
     state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in laid_out}
     for stack in owned_stacks:
         if not stack.state:
@@ -147,7 +150,7 @@ def unpack(
             if key in saved and saved[key] != group[key]:
                 _refuse(f"group {gi} has {key}={saved[key]!r}, this optimizer {group[key]!r}")
         for saved_id in saved["params"]:
-            id_to_index[saved_id] = index
+            id_to_index.setdefault(saved_id, index)  # a repeated id: its first position
             index += 1
         merged_groups.append({**group, **{k: v for k, v in saved.items() if k != "params"}})
 
