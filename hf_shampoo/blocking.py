@@ -100,3 +100,9 @@ class ParamBlocking:
         except RuntimeError:
             return False
         return True
+
+
+def is_vector_like(shape: Sequence[int]) -> bool:
+    """At most one dim larger than 1: biases, norm weights, (1, 1, C) layer scales, tokens
+    (what ``vector_preconditioner`` applies to)."""
+    return sum(size > 1 for size in shape) <= 1

@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "spectral_lr_adjustment": None,
     "sign_scale": None,
     "check_finite_gradients": True,
+    "vector_preconditioner": None,
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -124,6 +125,7 @@ LAYOUT_KEYS = (
     "factor_matrix_dtype",
     "inv_factor_matrix_dtype",
     "quantization",
+    "vector_preconditioner",
 )
 
 # Entries other tools put into param groups (torch schedulers, timm, transformers): allowed.
@@ -185,6 +187,20 @@ def _check_exponent_override(value: Any) -> None:
                 _fail(key, value, f"exponents must be real numbers >= 0, got {exponent!r}")
 
 
+def vector_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """What ``vector_preconditioner`` changes for a group's vector-like parameters (at most
+    one dim larger than 1: biases, norm weights): that kind, and Adam grafting where the
+    group has none and the kind needs a step size to graft onto ("diagonal"). Empty when
+    the group has no ``vector_preconditioner``."""
+    kind = group.get("vector_preconditioner")
+    if kind is None:
+        return {}
+    settings: dict[str, Any] = {"preconditioner": kind, "vector_preconditioner": None}
+    if kind == "diagonal" and group["grafting"] is None:
+        settings["grafting"] = "adam"
+    return settings
+
+
 def refuse_unknown_keywords(unknown: dict[str, Any], where: str) -> None:
     """Raise ``TypeError`` for keywords no option has, with the closest valid names and the
     list of every valid keyword (Python's own error lists none)."""
@@ -233,6 +249,10 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
     _check_int("precondition_frequency", group["precondition_frequency"], 1)
     _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
+    vector_kind = group["vector_preconditioner"]
+    if vector_kind is not None:
+        _check_choice("vector_preconditioner", vector_kind,
+                      tuple(k for k in PRECONDITIONERS if k not in MATRIX_KINDS))
     start = group["start_preconditioning_step"]
     if start is not None:
         descent = group["preconditioner"] in DESCENT_KINDS
@@ -304,6 +324,13 @@ def validate_group(group: dict[str, Any]) -> None:
     n = group["num_trainers_per_group"]
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not (n == -1 or n >= 1):
         _fail("num_trainers_per_group", n, "expected -1 (the whole world) or an integer >= 1")
+    if group["vector_preconditioner"] is not None:
+        try:  # the settings vector-like parameters get must be valid too
+            validate_group({**group, **vector_settings(group)})
+        except ValueError as error:
+            raise ValueError(f"{error} (for the vector-like parameters of a group with "
+                             f"vector_preconditioner={group['vector_preconditioner']!r})"
+                             ) from None
 
 
 def _check_descent(group: dict[str, Any]) -> None:

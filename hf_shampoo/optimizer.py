@@ -8,14 +8,15 @@ and runs a step as the named stages of ``pipeline.py``, so that nothing is half-
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import pipeline
-from .blocking import ParamBlocking
+from .blocking import ParamBlocking, is_vector_like
 from .checkpoint import layout as checkpoint
 from .checkpoint.consolidate import gather_state
 from .config import (
@@ -23,6 +24,7 @@ from .config import (
     GLOBAL_KEYS,
     refuse_unknown_keywords,
     validate_group,
+    vector_settings,
 )
 from .distributors import Distributor, make_distributor
 from .pipeline import Layout
@@ -83,6 +85,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         spectral_lr_adjustment: str | None = DEFAULTS["spectral_lr_adjustment"],
         sign_scale: str | None = DEFAULTS["sign_scale"],
         check_finite_gradients: bool = DEFAULTS["check_finite_gradients"],
+        vector_preconditioner: str | None = DEFAULTS["vector_preconditioner"],
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -145,7 +148,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                     f"DistributedShampoo: parameter {index} has dtype {tensor.dtype}; "
                     "only floating-point parameters can be optimized"
                 )
-            if kind_of(merged).matrix_blocks and tensor.dim() < 2:
+            if kind_of(merged).matrix_blocks and tensor.dim() < 2 and not (
+                    merged["vector_preconditioner"] and is_vector_like(tensor.shape)):
                 names = group.get("param_names")
                 name = params[index][0] if isinstance(params[index], tuple) else \
                     names[index] if names else f"parameter {index} of the group"
@@ -208,7 +212,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         refs = self._param_refs()
         for index in indices:
             gi, _, param = refs[index]
-            group = self.param_groups[gi]
+            group = self._param_settings(self.param_groups[gi], param)
             name = self.param_name(index)
             blocking = ParamBlocking.of(self._distributor.blocking_shape(param),
                                         group["max_preconditioner_dim"],
@@ -221,6 +225,13 @@ class DistributedShampoo(torch.optim.Optimizer):
             ]
         return blockings, blocks
 
+    @staticmethod
+    def _param_settings(group: dict, param: Tensor) -> Mapping:
+        """A parameter's hyperparameters: its group's, with ``vector_preconditioner``'s
+        settings on top for a vector-like parameter."""
+        overrides = vector_settings(group) if is_vector_like(param.shape) else {}
+        return ChainMap(overrides, group) if overrides else group
+
     def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
         owners = self._distributor.assign(
             blocks, [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
@@ -231,9 +242,12 @@ class DistributedShampoo(torch.optim.Optimizer):
             shape = blockings[block.param_index].block_shapes[block.block_index]
             wide = torch.float64 in (block.param.dtype, group["factor_matrix_dtype"])
             work_dtype = torch.float64 if wide else torch.float32
-            key = (owner, block.group_index, shape, block.param.device, work_dtype)
+            overrides = vector_settings(group) if is_vector_like(block.param.shape) else {}
+            key = (owner, block.group_index, shape, block.param.device, work_dtype,
+                   tuple(sorted(overrides.items())))
             if key not in stacks:
-                stacks[key] = BlockStack(block.group_index, shape, [], work_dtype, rank=owner)
+                stacks[key] = BlockStack(block.group_index, shape, [], work_dtype, rank=owner,
+                                         overrides=overrides)
             stacks[key].members.append(block)
         return sorted(stacks.values(), key=lambda s: s.rank)
 
@@ -361,7 +375,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         """The state of the blocks this rank owns (the whole state in one process)."""
         layout = self._ensure_layout()
         for stack in layout.owned:  # every owned block has state, also before its first step
-            stack.materialize(self.param_groups[stack.group_index])
+            stack.materialize(stack.settings(self.param_groups))
         return self._pack(layout.owned)
 
     def _pack(self, owned: list[BlockStack]) -> dict[str, Any]:
@@ -441,24 +455,27 @@ class DistributedShampoo(torch.optim.Optimizer):
         prefix = self._key_prefix()
         keys = []
         for stack in layout.owned:
-            names = stack.expected_state(self.param_groups[stack.group_index])
+            names = stack.expected_state(stack.settings(self.param_groups))
             for block in stack.members:
                 keys += [(block.param_index, f"{prefix}block_{block.block_index}.{n}")
                          for n in names]
         return keys
 
     def describe_blocks(self) -> list[dict[str, Any]]:
-        """One row per block: parameter name, block shape, owning rank, and the bytes of
-        optimizer state the block will hold on that rank (``state_bytes``: every state
-        tensor of the block's configuration, allocated or not yet)."""
+        """One row per block: parameter name, block shape, owning rank, its preconditioner
+        and grafting, and the bytes of optimizer state the block will hold on that rank
+        (``state_bytes``: every state tensor of the block's configuration, allocated or
+        not yet)."""
         layout = self._ensure_layout()
         rows = []
         for s in layout.stacks:
-            nbytes = sum(s.state_bytes(self.param_groups[s.group_index]).values())
+            settings = s.settings(self.param_groups)
+            nbytes = sum(s.state_bytes(settings).values())
             rows += [{"name": b.name, "param_index": b.param_index, "block": b.block_index,
                       "shape": s.shape, "rank": s.rank,
                       "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0,
-                      "state_bytes": nbytes}
+                      "state_bytes": nbytes, "preconditioner": settings["preconditioner"],
+                      "grafting": settings["grafting"]}
                      for i, b in enumerate(s.members)]
         return rows
 

@@ -78,7 +78,7 @@ def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],
         active = active_members[id(stack)]
         if not active:
             continue
-        group = groups[stack.group_index]
+        group = stack.settings(groups)
         stack.materialize(group)
         full = len(active) == len(stack.members)
         state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
@@ -169,11 +169,13 @@ def assign_refresh_offsets(layout: Layout, groups: list[dict],
         ):
             continue
         schedules[gi] = key
-        blocks = sorted((b.param_index, b.block_index, s, i)
-                        for s in stacks for i, b in enumerate(s.members))
         for s in stacks:
             s.refresh_offsets = [0] * len(s.members)
-        if key[0] != "staggered" or not kind_of(group).refreshes:
+        # only blocks whose kind refreshes have a schedule to spread
+        blocks = sorted((b.param_index, b.block_index, s, i)
+                        for s in stacks if kind_of(s.settings(groups)).refreshes
+                        for i, b in enumerate(s.members))
+        if key[0] != "staggered" or not blocks:
             continue
         costs = [float(sum(d**3 for d in s.shape)) for _, _, s, _ in blocks]
         # with more offsets than blocks, LPT gives each block its own: only n are used
@@ -191,7 +193,7 @@ def _refreshes_somewhere(layout: Layout, groups: list[dict], steps: list[int],
         members = active[id(stack)]
         if not members:
             continue
-        group, step = groups[stack.group_index], steps[stack.group_index]
+        group, step = stack.settings(groups), steps[stack.group_index]
         offsets = {stack.refresh_offsets[i] for i in members} if stack.refresh_offsets else {0}
         if any(is_refresh_step(group, step, offset) for offset in offsets):
             return True

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +108,14 @@ class BlockStack:
     refresh_offsets: list[int] = field(default_factory=list)
     gathered_grad: Tensor | None = field(default=None, repr=False)  # reused every step
     gathered_param: Tensor | None = field(default=None, repr=False)  # FSDP owners: weights
+    # what differs from the group for these blocks (vector_preconditioner's settings)
+    overrides: dict = field(default_factory=dict)
+
+    def settings(self, groups: list[dict]) -> Mapping:
+        """The hyperparameters of these blocks: their group's, live (a scheduler's lr
+        change shows), with ``overrides`` on top."""
+        group = groups[self.group_index]
+        return ChainMap(self.overrides, group) if self.overrides else group
 
     @property
     def order(self) -> int:

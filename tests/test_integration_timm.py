@@ -21,8 +21,9 @@ from timm.optim.lookahead import Lookahead
 from timm.scheduler import CosineLRScheduler
 
 from hf_shampoo import DistributedShampoo
+from hf_shampoo.blocking import is_vector_like
 from hf_shampoo.integrations import timm as timm_integration
-from hf_shampoo.integrations.timm import create_shampoo, is_vector_like, register
+from hf_shampoo.integrations.timm import create_shampoo, register
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,17 +94,24 @@ def test_create_optimizer_v2_groups_weight_decay_and_diagonal_vectors():
     names = names_by_id(model)
     seen = [id(p) for g in opt.param_groups for p in g["params"]]
     assert sorted(seen) == sorted(names) and len(seen) == len(set(seen))
+    # timm's two groups (decay / no decay), not split further: vectors are diagonal
+    # inside their group (vector_preconditioner), so each group's lr governs all of it
+    assert len(opt.param_groups) == 2
+    kinds = {(r["param_index"]): r["preconditioner"] for r in opt.describe_blocks()}
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     for group in opt.param_groups:
+        assert group["preconditioner"] == "shampoo"
+        assert group["vector_preconditioner"] == "diagonal"
         for p in group["params"]:
-            vector = is_vector_like(p)
+            vector = is_vector_like(p.shape)
             assert group["weight_decay"] == (0.0 if vector else 0.05), names[id(p)]
-            assert group["preconditioner"] == ("diagonal" if vector else "shampoo"), names[id(p)]
+            assert kinds[index[id(p)]] == ("diagonal" if vector else "shampoo"), names[id(p)]
         # the AdamW migration (docs/hyperparameters.md), with decoupled decay as timm passes it
         assert group["betas"] == (0.9, 0.999) and group["epsilon"] == 1e-12
         assert group["grafting"] == "adam" and group["grafting_beta2"] == 0.999
         assert group["grafting_epsilon"] == 1e-8 and group["weight_decay_type"] == "decoupled"
     bias = next(g for g in opt.param_groups if any(p is model.fc.bias for p in g["params"]))
-    assert bias["weight_decay"] == 0.0 and bias["preconditioner"] == "diagonal"
+    assert bias["weight_decay"] == 0.0 and kinds[index[id(model.fc.bias)]] == "diagonal"
     train_steps(model, opt)
     rows = opt.describe_blocks()
     assert {r["param_index"] for r in rows} == set(range(len(seen)))
@@ -129,17 +137,18 @@ def test_timm_arguments_map_to_shampoo_keywords():
 def test_diagonal_opt_out_and_plain_parameter_iterables():
     model = tiny_model()
     whole = create_optimizer_v2(model, opt="shampoo", diagonal_1d=False)
-    assert [g["preconditioner"] for g in whole.param_groups] == ["shampoo"]
+    assert [g["vector_preconditioner"] for g in whole.param_groups] == [None]
     plain = create_optimizer_v2(model.parameters(), opt="shampoo", lr=1e-3)
-    assert [g["preconditioner"] for g in plain.param_groups] == ["shampoo", "diagonal"]
+    assert len(plain.param_groups) == 1  # a flat list stays one group
+    assert plain.param_groups[0]["vector_preconditioner"] == "diagonal"
     mine = create_optimizer_v2(model, opt="shampoo", preconditioner="diagonal")
     assert {g["preconditioner"] for g in mine.param_groups} == {"diagonal"}
 
 
 def test_vector_like_tensors():
-    assert is_vector_like(torch.zeros(8)) and is_vector_like(torch.zeros(()))
-    assert is_vector_like(torch.zeros(1, 1, 8))  # layer scale, class token
-    assert not is_vector_like(torch.zeros(8, 3)) and not is_vector_like(torch.zeros(4, 1, 3, 3))
+    assert is_vector_like((8,)) and is_vector_like(())
+    assert is_vector_like((1, 1, 8))  # layer scale, class token
+    assert not is_vector_like((8, 3)) and not is_vector_like((4, 1, 3, 3))
 
 
 def test_diagonal_groups_step_exactly_like_adamw():
@@ -157,7 +166,7 @@ def test_diagonal_groups_step_exactly_like_adamw():
         shampoo.step()
         adamw.step()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        if is_vector_like(p):
+        if is_vector_like(p.shape):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -198,9 +207,9 @@ def test_layer_decay_changes_the_step_of_each_group():
     names = names_by_id(model)
     checked = set()
     for group in opt.param_groups:
-        if group["preconditioner"] != "diagonal":
-            continue
         for p in group["params"]:
+            if not is_vector_like(p.shape):  # the diagonal ones (vector_preconditioner)
+                continue
             moved = (p.detach() - before[names[id(p)]]).abs()
             moved = moved[moved > 0]
             if moved.numel():
@@ -221,12 +230,12 @@ def test_lr_scale_opt_out_leaves_it_to_the_scheduler():
 def test_soap_klshampoo_and_lookahead():
     model = tiny_model()
     soap = create_optimizer_v2(model, opt="soap", lr=1e-3, weight_decay=0.05, eps=1e-7)
-    kinds = {(g["preconditioner"], g["grafting"]) for g in soap.param_groups}
+    kinds = {(r["preconditioner"], r["grafting"]) for r in soap.describe_blocks()}
     assert kinds == {("eigenvalue_corrected", None), ("diagonal", "adam")}
     assert all(g["epsilon"] == 1e-7 and g["grafting_epsilon"] == 1e-7 for g in soap.param_groups)
     train_steps(model, soap)
     kl = create_optimizer_v2(model, opt="klshampoo", lr=1e-3, weight_decay=0.05)
-    kinds = {(g["preconditioner"], g["grafting"]) for g in kl.param_groups}
+    kinds = {(r["preconditioner"], r["grafting"]) for r in kl.describe_blocks()}
     assert kinds == {("kl_shampoo", "adam"), ("diagonal", "adam")}
     train_steps(model, kl)
     wrapped = create_optimizer_v2(model, opt="lookahead_shampoo", lr=1e-3)

@@ -175,7 +175,7 @@ def unpack(
             if where is None:
                 continue  # a block another rank owns (or a consolidated checkpoint)
             stack, i = where
-            expected = stack.expected_state(merged_groups[stack.group_index])
+            expected = stack.expected_state(stack.settings(merged_groups))
             if name not in expected:
                 _refuse(f"parameter {stack.members[i].name!r} has unexpected state {name!r}")
             shape = expected[name][0]
@@ -219,7 +219,7 @@ def unpack(
         members = loads.get(id(stack))
         if not members:
             continue
-        stack.materialize(param_groups[stack.group_index])
+        stack.materialize(stack.settings(param_groups))
         for i, tensors in members.items():
             for name, tensor in tensors.items():
                 stack.state[name][i].copy_(tensor)

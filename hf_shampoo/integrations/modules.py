@@ -392,8 +392,9 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
                 "shape": tuple(param.shape),
                 "block_shapes": [],
                 "ranks": set(),
-                "preconditioner": _preconditioner_label(group, len(block["shape"])),
-                "grafting": group["grafting"] or "-",
+                "preconditioner": _preconditioner_label(
+                    {**group, "preconditioner": block["preconditioner"]}, len(block["shape"])),
+                "grafting": block["grafting"] or "-",
                 "weight_decay": group["weight_decay"],
             },
         )

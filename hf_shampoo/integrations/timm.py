@@ -129,11 +129,6 @@ def _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
 
 
 # ---------------------------------------------------------------------- parameter groups
-def is_vector_like(param: Tensor) -> bool:
-    """At most one dim larger than 1: biases, norm weights, (1, 1, C) layer scales, tokens."""
-    return sum(size > 1 for size in param.shape) <= 1
-
-
 def timm_param_groups(
     params: Iterable[Any],
     *,
@@ -144,10 +139,12 @@ def timm_param_groups(
 ) -> list[dict[str, Any]]:
     """timm's parameter groups, made ready for ``DistributedShampoo``.
 
-    - ``diagonal_1d``: every group is split in two, its matrices / conv kernels first and
-      then its vector-like tensors (``is_vector_like``) with ``preconditioner="diagonal"``:
-      a full-matrix factor for a bias buys little and costs ``d²`` memory and ``d³`` work.
-      A group that already names a ``preconditioner`` is left whole.
+    - ``diagonal_1d``: every group gets ``vector_preconditioner="diagonal"``: its
+      vector-like tensors (``is_vector_like``: biases, norm weights) are preconditioned by
+      the grafting method alone (Adam where the group has no grafting), inside the group,
+      so that the group's ``lr`` still governs all of them: a full-matrix factor for a bias
+      buys little and costs ``d²`` memory and ``d³`` work. A group that already names a
+      ``preconditioner`` or a ``vector_preconditioner`` keeps it.
     - ``use_fallback`` groups (timm's ``fallback_list``, e.g. Muon's AdamW fallback) become
       diagonal groups; the key itself is dropped.
     - ``apply_lr_scale``: a group with timm's layer-decay ``lr_scale`` gets
@@ -170,18 +167,9 @@ def timm_param_groups(
             group.setdefault("grafting", diagonal_grafting)
         params = group["params"]
         group["params"] = [params] if isinstance(params, Tensor) else list(params)
-        vector_like = [is_vector_like(_tensor(p)) for p in group["params"]]
-        if not diagonal_1d or "preconditioner" in group or not any(vector_like):
-            out.append(group)
-            continue
-        matrices = [i for i, vector in enumerate(vector_like) if not vector]
-        vectors = [i for i, vector in enumerate(vector_like) if vector]
-        if matrices:
-            out.append(_subgroup(group, matrices))
-        diagonal = _subgroup(group, vectors)
-        diagonal["preconditioner"] = "diagonal"
-        diagonal.setdefault("grafting", diagonal_grafting)
-        out.append(diagonal)
+        if diagonal_1d and "preconditioner" not in group:
+            group.setdefault("vector_preconditioner", "diagonal")
+        out.append(group)
     return out
 
 
@@ -192,18 +180,6 @@ def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     if params and isinstance(params[0], dict):
         return params
     return [{"params": params}]
-
-
-def _tensor(param: Any) -> Tensor:
-    return param[1] if isinstance(param, tuple) else param  # torch's (name, tensor) entries
-
-
-def _subgroup(group: dict[str, Any], indices: list[int]) -> dict[str, Any]:
-    sub = dict(group)
-    sub["params"] = [group["params"][i] for i in indices]
-    if group.get("param_names") is not None:
-        sub["param_names"] = [group["param_names"][i] for i in indices]
-    return sub
 
 
 # ---------------------------------------------------------------------- registration
