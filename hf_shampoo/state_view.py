@@ -5,9 +5,10 @@ walk it to inspect, offload or reset state. Here the state of same-shape blocks 
 stacked tensors (``stack.py``), so ``StateView`` maps each parameter that has state on this
 rank to an entry ``{"block_{b}.{name}": view}``: the same names as ``state_dict()``, each a
 view of the block's row of the stacked tensor (reading it reads the state; writing into it
-in place, or assigning a tensor to a key, which copies it in, changes the state). The view
-is computed on access, so it is never stale. The state lives on the parameters' device and
-follows them there at the next ``step()``.
+in place, or assigning a tensor to a key, which copies it in, changes the state). Other
+keys that tools store under a parameter (timm's Lookahead) are kept, as torch keeps them,
+and are not part of ``state_dict()``. The view is computed on access, so it is never
+stale. The state lives on the parameters' device and follows them at the next ``step()``.
 """
 
 from __future__ import annotations
@@ -19,49 +20,80 @@ from torch import Tensor
 
 
 class StateEntry(dict):
-    """One parameter's state: assigning a tensor to a key copies it into the storage."""
+    """One parameter's state. Assigning a tensor to one of the optimizer's keys copies it
+    into the storage; any other key (a tool's own, e.g. timm's Lookahead slow weights) is
+    kept by the view, as torch's ``optimizer.state`` keeps it (not in ``state_dict()``)."""
+
+    def __init__(self, stacked: dict[str, Tensor], extra: dict[str, Any]) -> None:
+        super().__init__(stacked)
+        super().update(extra)
+        self._stacked, self._extra = stacked.keys(), extra
 
     def __setitem__(self, key: str, value: Any) -> None:
+        if key in self._stacked:
+            dict.__getitem__(self, key).copy_(value)
+            return
+        self._extra[key] = value
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        if key in self._stacked:
+            raise KeyError(f"{key!r} is the optimizer's own state; it cannot be deleted")
+        del self._extra[key]
+        super().__delitem__(key)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
         if key not in self:
-            raise KeyError(f"optimizer.state entry has no key {key!r}; its keys: "
-                           f"{', '.join(self)}")
-        self[key].copy_(value)  # (dict's own __getitem__: the view)
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
 
 class StateView(Mapping):
-    """Parameter → ``StateEntry`` of its blocks that this rank holds (see the module)."""
+    """Parameter → ``StateEntry``: the state of its blocks that this rank holds (see the
+    module), and what other code stored under the parameter."""
 
     def __init__(self, optimizer: Any) -> None:
         self._optimizer = optimizer
+        self._extra: dict[int, tuple[Tensor, dict[str, Any]]] = {}
 
-    def _entries(self) -> dict[int, tuple[Tensor, StateEntry]]:
+    def _stacked(self) -> dict[int, tuple[Tensor, dict[str, Tensor]]]:
         layout = getattr(self._optimizer, "_layout", None)
-        entries: dict[int, tuple[Tensor, StateEntry]] = {}
+        entries: dict[int, tuple[Tensor, dict[str, Tensor]]] = {}
         if layout is None:
             return entries
         for stack in layout.owned:
             if not stack.state:
                 continue
             for i, block in enumerate(stack.members):
-                _, entry = entries.setdefault(id(block.param), (block.param, StateEntry()))
+                _, entry = entries.setdefault(id(block.param), (block.param, {}))
                 for name, tensor in stack.state.items():
-                    dict.__setitem__(entry, f"block_{block.block_index}.{name}", tensor[i])
+                    entry[f"block_{block.block_index}.{name}"] = tensor[i]
         return entries
 
+    def _params(self) -> dict[int, Tensor]:
+        params = {key: param for key, (param, _) in self._stacked().items()}
+        params.update((key, param) for key, (param, extra) in self._extra.items() if extra)
+        return params
+
     def __getitem__(self, param: Tensor) -> StateEntry:
-        """The parameter's entry; an empty one for a parameter without state here (as
-        torch's ``defaultdict`` gives, without adding it)."""
-        found = self._entries().get(id(param))
-        return found[1] if found is not None else StateEntry()
+        """The parameter's entry; for a parameter without state here an empty one, which
+        keeps what is stored in it (as torch's ``defaultdict``)."""
+        found = self._stacked().get(id(param))
+        _, extra = self._extra.setdefault(id(param), (param, {}))
+        return StateEntry(found[1] if found is not None else {}, extra)
 
     def __contains__(self, param: object) -> bool:
-        return id(param) in self._entries()
+        return id(param) in self._params()
 
     def __iter__(self) -> Iterator[Tensor]:
-        return (param for param, _ in self._entries().values())
+        return iter(list(self._params().values()))
 
     def __len__(self) -> int:
-        return len(self._entries())
+        return len(self._params())
 
     def __bool__(self) -> bool:
         # Never falsy: torch.distributed.checkpoint.state_dict takes an empty

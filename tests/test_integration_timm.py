@@ -67,6 +67,26 @@ def test_register_is_idempotent_and_names_have_no_underscore():
     assert {"shampoo", "soap", "klshampoo"} <= set(timm.optim.list_optimizers())
 
 
+@pytest.mark.parametrize("name", ["shampoo", "soap", "klshampoo"])
+def test_timm_gets_real_optimizer_classes_with_its_signature(name):
+    """What timm's own factory test checks: an Optimizer subclass whose signature has the
+    eps / betas its OptimInfo declares; a flat list is one group whose lr governs all."""
+    import inspect
+
+    cls = timm.optim.get_optimizer_class(name, bind_defaults=False)
+    assert inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)
+    assert issubclass(cls, DistributedShampoo)
+    assert {"eps", "betas", "lr", "weight_decay"} <= set(inspect.signature(cls).parameters)
+    model = tiny_model()
+    opt = cls(model.parameters(), lr=1e-2)
+    assert len(opt.param_groups) == 1
+    train_steps(model, opt, steps=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = 0.0
+    train_steps(model, opt, steps=2)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
 def test_register_leaves_a_foreign_optimizer_of_the_same_name():
     registry = OptimizerRegistry()
     registry.register(OptimInfo(name="shampoo", opt_class=torch.optim.SGD))
@@ -275,7 +295,7 @@ def test_device_modules_import_registers_in_a_fresh_interpreter(order, tmp_path)
                          text=True, timeout=120, cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr
     name, groups, frequency = out.stdout.split()
-    assert (name, frequency) == ("DistributedShampoo", "5") and int(groups) > 2
+    assert (name, frequency) == ("TimmShampoo", "5") and int(groups) > 2  # layer decay
 
 
 def write_digits_image_folder(root: Path, count: int = 300) -> Path:

@@ -152,9 +152,18 @@ def test_optimizer_state_maps_each_parameter_to_views_of_its_state():
     reset = opt.state_dict()["state"]
     assert all(not reset[i][k].any() for i in reset for k in reset[i]
                if k.endswith("grafting_state"))
-    assert opt.state[torch.nn.Parameter(torch.ones(1))] == {}  # a stranger: empty, not added
-    with pytest.raises(KeyError, match="no key 'nonsense'"):
-        opt.state[params[0]]["nonsense"] = torch.ones(1)
+    stranger = torch.nn.Parameter(torch.ones(1))
+    assert opt.state[stranger] == {} and stranger not in opt.state  # empty, not added
+    # a tool's own key (timm's Lookahead keeps its slow weights so) is kept, not saved
+    opt.state[params[0]]["slow"] = torch.full((2,), 7.0)
+    opt.state[params[0]].setdefault("count", 3)
+    assert torch.equal(opt.state[params[0]]["slow"], torch.full((2,), 7.0))
+    assert opt.state[params[0]]["count"] == 3
+    assert "slow" not in opt.state_dict()["state"][0]
+    with pytest.raises(KeyError, match="cannot be deleted"):
+        del opt.state[params[0]][next(iter(saved[0]))]
+    del opt.state[params[0]]["slow"]
+    assert "slow" not in opt.state[params[0]]
 
 
 def test_optimizer_state_omits_frozen_parameters():
@@ -195,3 +204,15 @@ def test_a_tensor_listed_twice_is_one_parameter_keyed_by_identity():
         again = DistributedShampoo([p, p, q], **CONFIG)
     again.load_state_dict(saved)
     assert again.state_dict()["state"].keys() == saved["state"].keys()
+
+
+def test_timm_lookahead_around_shampoo_keeps_its_slow_weights():
+    """timm's Lookahead stores slow weights in the base optimizer's state every k steps."""
+    from timm.optim import Lookahead
+
+    model = _model()
+    opt = Lookahead(DistributedShampoo(model.parameters(), **CONFIG), k=2, alpha=0.5)
+    _train(model, opt, 5, seed=0)
+    base = opt._base_optimizer
+    assert all("lookahead_slow_buff" in base.state[p] for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())

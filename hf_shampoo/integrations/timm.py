@@ -2,9 +2,11 @@
 
 After ``register()`` (which ``import hf_shampoo`` arranges), ``timm.optim.create_optimizer_v2(
 model, opt="shampoo")`` and timm's ``train.py --device-modules hf_shampoo --opt shampoo`` build
-a ``DistributedShampoo`` from timm's parameter groups: no weight decay on biases and norms,
-layer-decay ``lr_scale`` honoured, and biases / norm weights (tensors with at most one dim
-larger than 1) preconditioned by the grafting method alone (``preconditioner="diagonal"``).
+a ``TimmShampoo`` (a ``DistributedShampoo`` subclass with timm's signature; also ``TimmSoap``,
+``TimmKLShampoo``) from timm's parameter groups as they are: no weight decay on biases and
+norms, layer-decay ``lr_scale`` honoured, and biases / norm weights (tensors with at most one
+dim larger than 1) preconditioned by the grafting method alone inside their group
+(``vector_preconditioner="diagonal"``).
 Defaults are the AdamW migration (docs/hyperparameters.md); docs/timm.md is the user guide.
 timm itself is imported only when needed.
 """
@@ -38,19 +40,8 @@ ADAMW_BETAS = (0.9, 0.999)
 ADAMW_EPS = 1e-8
 
 
-# ---------------------------------------------------------------------- factories
-def create_shampoo(
-    params: Iterable[Any],
-    lr: float | None = ADAMW_LR,
-    weight_decay: float = 0.0,
-    betas: Iterable[float] = ADAMW_BETAS,
-    eps: float | None = None,
-    foreach: bool | None = None,
-    *,
-    diagonal_1d: bool = True,
-    apply_lr_scale: bool = True,
-    **kwargs: Any,
-) -> DistributedShampoo:
+# ---------------------------------------------------------------------- classes
+class TimmShampoo(DistributedShampoo):
     """timm's ``opt="shampoo"``: Adam-grafted Shampoo, AdamW's hyperparameters.
 
     ``lr``, ``betas`` and ``weight_decay`` keep their AdamW meaning (decoupled decay);
@@ -58,56 +49,96 @@ def create_shampoo(
     Shampoo's own ``epsilon`` is 1e-12. ``foreach`` is accepted and ignored. Any other
     ``DistributedShampoo`` keyword (``precondition_frequency=...``) passes through, and wins
     over these defaults. See ``timm_param_groups`` for ``diagonal_1d`` / ``apply_lr_scale``.
+    A ``DistributedShampoo`` subclass, so timm's registry holds a real optimizer class.
     """
-    del foreach  # the stacked implementation is always multi-tensor
-    betas = tuple(betas)
-    kwargs.setdefault("epsilon", 1e-12)
-    kwargs.setdefault("grafting", "adam")
-    kwargs.setdefault("grafting_beta2", betas[1])
-    kwargs.setdefault("grafting_epsilon", ADAMW_EPS if eps is None else eps)
-    kwargs.setdefault("weight_decay_type", "decoupled")
-    return _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | None = ADAMW_LR,
+        weight_decay: float = 0.0,
+        betas: Iterable[float] = ADAMW_BETAS,
+        eps: float | None = None,
+        foreach: bool | None = None,
+        *,
+        diagonal_1d: bool = True,
+        apply_lr_scale: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        del foreach  # the stacked implementation is always multi-tensor
+        betas = tuple(betas)
+        kwargs.setdefault("epsilon", 1e-12)
+        kwargs.setdefault("grafting", "adam")
+        kwargs.setdefault("grafting_beta2", betas[1])
+        kwargs.setdefault("grafting_epsilon", ADAMW_EPS if eps is None else eps)
+        kwargs.setdefault("weight_decay_type", "decoupled")
+        groups, config = _timm_arguments(params, lr, weight_decay, betas, diagonal_1d,
+                                         apply_lr_scale, kwargs)
+        super().__init__(groups, **config)
 
 
-def create_soap(
-    params: Iterable[Any],
-    lr: float | None = ADAMW_LR,
-    weight_decay: float = 0.0,
-    betas: Iterable[float] = ADAMW_BETAS,
-    eps: float | None = None,
-    foreach: bool | None = None,
-    *,
-    diagonal_1d: bool = True,
-    apply_lr_scale: bool = True,
-    **kwargs: Any,
-) -> DistributedShampoo:
+class TimmSoap(DistributedShampoo):
     """timm's ``opt="soap"``: eigenvalue-corrected Shampoo (SOAP, SPEC §3), treated like Adam.
 
     ``eps`` is the epsilon of the corrected second moment (``epsilon``, default 1e-8); no
-    grafting for preconditioned tensors. The diagonal groups (biases, norms) take plain Adam
-    steps with the same ``betas[1]`` and ``eps``.
+    grafting for preconditioned tensors. The vector-like tensors (biases, norms) take plain
+    Adam steps with the same ``betas[1]`` and ``eps``.
     """
-    del foreach
-    betas = tuple(betas)
-    eps = ADAMW_EPS if eps is None else eps
-    kwargs.setdefault("preconditioner", "eigenvalue_corrected")
-    kwargs.setdefault("epsilon", eps)
-    kwargs.setdefault("grafting_beta2", betas[1])
-    kwargs.setdefault("grafting_epsilon", eps)
-    kwargs.setdefault("weight_decay_type", "decoupled")
-    return _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | None = ADAMW_LR,
+        weight_decay: float = 0.0,
+        betas: Iterable[float] = ADAMW_BETAS,
+        eps: float | None = None,
+        foreach: bool | None = None,
+        *,
+        diagonal_1d: bool = True,
+        apply_lr_scale: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        del foreach
+        betas = tuple(betas)
+        eps = ADAMW_EPS if eps is None else eps
+        kwargs.setdefault("preconditioner", "eigenvalue_corrected")
+        kwargs.setdefault("epsilon", eps)
+        kwargs.setdefault("grafting_beta2", betas[1])
+        kwargs.setdefault("grafting_epsilon", eps)
+        kwargs.setdefault("weight_decay_type", "decoupled")
+        groups, config = _timm_arguments(params, lr, weight_decay, betas, diagonal_1d,
+                                         apply_lr_scale, kwargs)
+        super().__init__(groups, **config)
 
 
-def create_kl_shampoo(params: Iterable[Any], *args: Any, **kwargs: Any) -> DistributedShampoo:
+class TimmKLShampoo(TimmShampoo):
     """timm's ``opt="klshampoo"``: KL-Shampoo (SPEC §3) with ``"shampoo"``'s defaults and
     arguments (Adam grafting, AdamW's hyperparameters); ``grafting=None`` gives Meta's
     ungrafted form."""
-    kwargs.setdefault("preconditioner", "kl_shampoo")
-    return create_shampoo(params, *args, **kwargs)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | None = ADAMW_LR,
+        weight_decay: float = 0.0,
+        betas: Iterable[float] = ADAMW_BETAS,
+        eps: float | None = None,
+        foreach: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("preconditioner", "kl_shampoo")
+        super().__init__(params, lr, weight_decay, betas, eps, foreach, **kwargs)
 
 
-def _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs):
-    valid = [name for name in inspect.signature(DistributedShampoo).parameters if name != "params"]
+# The factory names of earlier versions: the classes themselves.
+create_shampoo, create_soap, create_kl_shampoo = TimmShampoo, TimmSoap, TimmKLShampoo
+
+
+def _timm_arguments(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """timm's arguments as ``DistributedShampoo``'s: the param groups and the keywords."""
+    valid = [name for name in inspect.signature(DistributedShampoo).parameters
+             if name not in ("params", "unknown")]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
         raise ValueError(
@@ -125,7 +156,7 @@ def _build(params, lr, weight_decay, betas, diagonal_1d, apply_lr_scale, kwargs)
         apply_lr_scale=apply_lr_scale,
         diagonal_grafting=diagonal_grafting,
     )
-    return DistributedShampoo(groups, lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
+    return groups, dict(lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
 
 
 # ---------------------------------------------------------------------- parameter groups
@@ -188,19 +219,19 @@ def _optim_infos(optim_info: type) -> list:
     return [
         optim_info(
             name="shampoo",
-            opt_class=create_shampoo,
+            opt_class=TimmShampoo,
             description="hf_shampoo DistributedShampoo, Adam grafting, decoupled weight decay",
             **common,
         ),
         optim_info(
             name="soap",
-            opt_class=create_soap,
+            opt_class=TimmSoap,
             description="hf_shampoo eigenvalue-corrected Shampoo (SOAP), decoupled weight decay",
             **common,
         ),
         optim_info(
             name="klshampoo",
-            opt_class=create_kl_shampoo,
+            opt_class=TimmKLShampoo,
             description="hf_shampoo KL-Shampoo, Adam grafting, decoupled weight decay",
             **common,
         ),
