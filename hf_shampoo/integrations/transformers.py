@@ -96,6 +96,7 @@ _OPTIONAL_TYPES = {
     "newton_schulz_dtype": torch.dtype,
     "spectral_lr_adjustment": str,
     "sign_scale": str,
+    "vector_preconditioner": str,
 }
 
 
