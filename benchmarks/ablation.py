@@ -96,7 +96,7 @@ OPTIMIZERS = {
     "KL-Shampoo (Adam grafting)": Optimizer("shampoo", dict(SHAMPOO, preconditioner="kl_shampoo")),
     "4-bit Shampoo (statistics every 2)": Optimizer(
         "shampoo", dict(SHAMPOO, quantization="4bit", statistics_frequency=2)),
-    # 4-bit cadences beyond the default table (SPEC §5): run when named in --optimizers
+    # 4-bit cadences beyond the default table (docs/design.md §5): run when named in --optimizers
     "4-bit Shampoo (statistics every 5)": Optimizer(
         "shampoo", dict(SHAMPOO, quantization="4bit", statistics_frequency=5), default=False),
     "4-bit Shampoo (statistics at refreshes)": Optimizer(

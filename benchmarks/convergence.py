@@ -52,7 +52,8 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
         out[f"SOAP-desc qr τ={tolerance:g}"] = dict(descending, eigendecomposition="qr",
                                                    eigenbasis_tolerance=tolerance)
     out["KL-Shampoo eigh"] = dict(SHAMPOO, preconditioner="kl_shampoo")
-    # 4-bit state (SPEC §5): factors sampled at refresh steps (preconditioners/quantized.py)
+    # 4-bit state (docs/design.md §5): factors sampled at refresh steps
+    # (preconditioners/quantized.py)
     out["Shampoo 4-bit eigh"] = dict(SHAMPOO, quantization="4bit")
     for every in (1, 2, 5):
         out[f"Shampoo 4-bit eigh, statistics every {every}"] = dict(

@@ -1,4 +1,4 @@
-"""Per-rank optimizer-step time and state memory of data-parallel Shampoo (issue: SPEC §4).
+"""Per-rank optimizer-step time and state memory of data-parallel Shampoo (docs/design.md §4).
 
 For each world size, every rank's share of the work is timed on its own (one thread per
 rank on a CPU, as the ranks of one machine would run), with the same gradients: the

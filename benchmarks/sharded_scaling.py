@@ -1,4 +1,4 @@
-"""Per-rank optimizer state and bytes communicated per step under FSDP2 (SPEC §8).
+"""Per-rank optimizer state and bytes communicated per step under FSDP2 (docs/design.md §8).
 
 For ResNet-50 and GPT-2 small shapes at world 2/4/8 (1-D FSDP2 meshes, simulated ranks:
 the real block assignment and communication plan of ``hf_shampoo.distributors.fsdp`` are computed
@@ -9,7 +9,7 @@ for every rank without a process group), this prints, per scheme:
 - ``MiB/step``: bytes all ranks send in a step (gradients in, directions out), and the
   largest rank's sent + received bytes.
 
-Schemes: DDP (SPEC §4: one all-gather of every direction), FSDP2 lossless (ours: block
+Schemes: DDP (docs/design.md §4: one all-gather of every direction), FSDP2 lossless (ours: block
 owners, only rows the owner lacks travel), FSDP2 local (no communication beyond FSDP's),
 and the baseline of Meta's lossless distributor (whole parameters owned, greedy by size;
 two all_to_all per step moving every row its owner lacks).

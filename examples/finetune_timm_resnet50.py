@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _is_refresh(optimizer: torch.optim.Optimizer, step: int) -> bool:
-    """SPEC §2's amortized-step rule, for the timing split only."""
+    """docs/design.md §2's amortized-step rule, for the timing split only."""
     group = next((g for g in optimizer.param_groups if g["preconditioner"] != "diagonal"),
                  optimizer.param_groups[0])
     f = group["precondition_frequency"]

@@ -1,6 +1,6 @@
 """Set-up-free demo behind `make demo`: train a small MLP on scikit-learn's bundled digits.
 
-It shows the `DistributedShampoo` constructor as a user types it (SPEC §7 keywords only),
+It shows the `DistributedShampoo` constructor as a user types it (docs/design.md §7 keywords only),
 prints test accuracy as training goes, and with `--compare-adamw` trains an identical
 model with `torch.optim.AdamW` on the same batches for a side-by-side. The data ship with
 scikit-learn (no download); the whole run takes well under a minute on two CPU cores.
@@ -76,7 +76,7 @@ def make_shampoo(model: nn.Module, args: argparse.Namespace) -> torch.optim.Opti
             max_preconditioner_dim=args.max_preconditioner_dim,
         )
     # Eigenvalue-corrected Shampoo (SOAP): Adam in the Kronecker eigenbasis, so Adam's
-    # epsilon and betas and no grafting (SPEC §3).
+    # epsilon and betas and no grafting (docs/design.md §3).
     return DistributedShampoo(
         model.parameters(),
         lr=args.lr,

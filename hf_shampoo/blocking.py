@@ -1,4 +1,4 @@
-"""Blocking (SPEC §1): which Kronecker-factored blocks a parameter is cut into.
+"""Blocking (docs/design.md §1): which Kronecker-factored blocks a parameter is cut into.
 
 A parameter is reshaped to its *merged shape* (size-1 dims dropped, adjacent small dims
 merged from the last dim to the first) and then split into blocks of at most

@@ -1,6 +1,6 @@
 """Hyperparameter defaults and validation: the only module that knows them.
 
-Every keyword of ``DistributedShampoo`` (SPEC §7) has its default here, and
+Every keyword of ``DistributedShampoo`` (docs/design.md §7) has its default here, and
 ``validate_group`` checks one parameter group's values before the optimizer changes any
 state. Errors name the keyword, the value given and what is allowed.
 """
@@ -79,18 +79,19 @@ SPECTRAL_LR_ADJUSTMENTS = (None, "original", "match_rms_adamw", "spectral_unclam
 # sign descent's scale: None = 1 (Meta's default); "l1" = the block's ‖Ĝ‖₁ (steepest
 # descent under the L∞ norm)
 SIGN_SCALES = (None, "l1")
-# kinds whose preconditioner is a product of per-dim inverse roots (SPEC §2)
+# kinds whose preconditioner is a product of per-dim inverse roots (docs/design.md §2)
 ROOT_INVERSE_KINDS = ("shampoo", "kl_shampoo")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
-# Eigenvalue-corrected refreshes (SPEC §3): "meta" = Meta's numbers (eigh's ascending basis,
-# QR in the rotated frame from the kept basis, D never permuted); "descending" = bases
-# sorted by descending eigenvalue, first refresh by eigh, QR steps qr(A Q), D permuted with
-# the basis (warm-started QR keeps more bases valid: BENCHMARKS.md, convergence).
+# Eigenvalue-corrected refreshes (docs/design.md §3): "meta" = Meta's numbers (eigh's
+# ascending basis, QR in the rotated frame from the kept basis, D never permuted);
+# "descending" = bases sorted by descending eigenvalue, first refresh by eigh, QR steps
+# qr(A Q), D permuted with the basis (warm-started QR keeps more bases valid: BENCHMARKS.md,
+# convergence).
 EIGENBASIS_VARIANTS = ("meta", "descending")
 # How QR refreshes orthogonalise (linalg.orthonormal_basis): LAPACK's Householder QR, or
 # shifted Cholesky-QR3 (matrix products; Householder where it cannot do a matrix).
 ORTHOGONALIZATIONS = ("householder", "cholesky_qr")
-# State storage of the Kronecker factors (SPEC §5): None = float32; "4bit" = 4-bit
+# State storage of the Kronecker factors (docs/design.md §5): None = float32; "4bit" = 4-bit
 # eigenvectors with float32 eigenvalues (preconditioners/quantized.py).
 QUANTIZATIONS = (None, "4bit")
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
@@ -100,13 +101,13 @@ FACTOR_MATRIX_DTYPES = (torch.float32, torch.float64)
 # memory and run the steady step's products in that dtype (computed in factor dtype, cast).
 INV_FACTOR_MATRIX_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DISTRIBUTED_MODES = ("auto", "none", "ddp", "fsdp")
-# FSDP2 / HSDP parameters (SPEC §8): "lossless" blocks the full parameter (one-process
+# FSDP2 / HSDP parameters (docs/design.md §8): "lossless" blocks the full parameter (one-process
 # numbers); "local" blocks each rank's local shard (no extra communication).
 FSDP_MODES = ("lossless", "local")
 COMMUNICATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How blocks are weighed when spread over ranks (distributed.block_cost).
 ASSIGNMENT_COSTS = ("memory", "compute")
-# "all": every block's amortized computation on the same steps (SPEC §2); "staggered":
+# "all": every block's amortized computation on the same steps (docs/design.md §2); "staggered":
 # each block's schedule delayed by its own offset in [0, precondition_frequency).
 REFRESH_SCHEDULES = ("all", "staggered")
 
@@ -373,8 +374,8 @@ def start_step(group: dict[str, Any]) -> int:
 
 
 def is_refresh_step(group: dict[str, Any], step: int, offset: int = 0) -> bool:
-    """SPEC §2: ``(t % f == 0 and t > s) or t == s``, with ``t`` the step minus the block's
-    schedule offset (0 unless ``refresh_schedule="staggered"``)."""
+    """docs/design.md §2: ``(t % f == 0 and t > s) or t == s``, with ``t`` the step minus
+    the block's schedule offset (0 unless ``refresh_schedule="staggered"``)."""
     if group["preconditioner"] in DESCENT_KINDS:
         return False  # nothing to refresh
     f, s, t = group["precondition_frequency"], start_step(group), step - offset

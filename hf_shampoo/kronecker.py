@@ -43,8 +43,8 @@ def update_factor(
 ) -> Tensor:
     """``F = beta2 F + w G_(dim) G_(dim)ᵀ`` with ``w = 1`` if ``beta2 == 1`` else ``1 - beta2``.
 
-    For a 2-D stack this is ``G Gᵀ`` for dim 0 and ``Gᵀ G`` for dim 1 (SPEC §2 line 2); the
-    first and the last dim of any block need no copy, middle dims are unfolded into
+    For a 2-D stack this is ``G Gᵀ`` for dim 0 and ``Gᵀ G`` for dim 1 (docs/design.md §2,
+    line 2); the first and the last dim of any block need no copy, middle dims are unfolded into
     ``scratch`` (a tensor of the stack's size) when given. The product is computed as a
     symmetric one (``linalg.syrk``).
     """

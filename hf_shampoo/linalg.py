@@ -1,4 +1,4 @@
-"""Batched linear algebra of the amortized computation (SPEC §2–§3).
+"""Batched linear algebra of the amortized computation (docs/design.md §2–§3).
 
 Everything here works on stacks of same-size symmetric matrices ``(n, d, d)``: symmetric
 eigendecomposition with a float64 retry and a per-matrix fallback, the regularised inverse
@@ -103,7 +103,8 @@ def _eigh_into(matrices: Tensor, values: Tensor, vectors: Tensor) -> None:
 
 
 def _eigh_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
-    """One matrix: try its own dtype, then float64 (SPEC: float64 retry); None if both fail."""
+    """One matrix: try its own dtype, then float64 (docs/design.md §2: the float64 retry);
+    None if both fail."""
     for dtype in dict.fromkeys((matrix.dtype, torch.float64)):
         try:
             values, vectors = torch.linalg.eigh(matrix.to(dtype))
@@ -167,7 +168,7 @@ def _eigh_each(matrices: Tensor) -> Eigh:
 
 
 def regularized_eigenvalues(eigenvalues: Tensor, epsilon: float) -> Tensor:
-    """Eigenvalues of ``A + εI`` shifted by ``ε - λ_min`` where ``λ_min < ε`` (SPEC §2).
+    """Eigenvalues of ``A + εI`` shifted by ``ε - λ_min`` where ``λ_min < ε`` (docs/design.md §2).
 
     In two roundings, ``(λ - λ_min) + ε``, as Meta does: the smallest becomes exactly ``ε``.
     One rounding, ``λ + (ε - λ_min)``, loses ε next to a negative round-off ``λ_min`` much
@@ -256,7 +257,7 @@ def rayleigh_quotients(basis: Tensor, product: Tensor) -> Tensor:
 
 
 def off_diagonal_ratio(matrices: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
-    """``B = Qᵀ A Q`` and ``‖B - diag(B)‖_F / ‖B‖_F`` per matrix (SPEC §3 criterion)."""
+    """``B = Qᵀ A Q`` and ``‖B - diag(B)‖_F / ‖B‖_F`` per matrix (docs/design.md §3 criterion)."""
     rotated = basis.mT @ (matrices @ basis)
     return rotated, _ratio_of(rotated)
 
@@ -270,7 +271,7 @@ def _ratio_of(rotated: Tensor) -> Tensor:
 
 @dataclass
 class BasisCheck:
-    """SPEC §3 criterion for a stack of matrices ``A`` and kept bases ``Q``.
+    """docs/design.md §3 criterion for a stack of matrices ``A`` and kept bases ``Q``.
 
     ``stale``: which matrices need a new basis; ``diagonal``: ``diag(Qᵀ A Q)``;
     ``product``: ``A Q``, which the first QR step ``qr(A Q)`` reuses.
@@ -286,7 +287,7 @@ def check_basis(
     zero_means_all: bool = True,
 ) -> BasisCheck:
     """``stale = ‖B - diag B‖_F > τ ‖B‖_F`` with ``B = Qᵀ A Q``; with ``τ = 0`` every matrix
-    is stale (SPEC §3), unless ``zero_means_all=False``: then, as in Meta's QR algorithm,
+    is stale (docs/design.md §3), unless ``zero_means_all=False``: then, as in Meta's QR algorithm,
     only matrices whose ``B`` is not exactly diagonal. ``product``: ``A Q`` if known.
 
     One matmul instead of two: ``‖B‖_F = ‖A‖_F`` for an orthogonal ``Q``, and the diagonal
@@ -317,7 +318,7 @@ def check_basis(
 def stale_mask(matrices: Tensor, basis: Tensor, tolerance: float) -> tuple[Tensor, Tensor]:
     """Which matrices need a new basis (``‖B - diag B‖ > τ‖B‖``), and ``diag(B)``.
 
-    With ``τ = 0`` every matrix is refreshed (SPEC §3).
+    With ``τ = 0`` every matrix is refreshed (docs/design.md §3).
     """
     check = check_basis(matrices, basis, tolerance)
     return check.stale, check.diagonal

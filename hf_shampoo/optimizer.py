@@ -37,7 +37,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     """Shampoo with Kronecker-factored blocks, grafting and data-parallel distribution.
 
     Every keyword may also be set per parameter group. See docs/hyperparameters.md for a
-    guide, docs/keywords.md for every keyword and ``../shared/SPEC.md`` for the exact
+    guide, docs/keywords.md for every keyword and docs/design.md for the exact
     algorithm.
     """
 
@@ -300,7 +300,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step (SPEC §2); returns the closure's loss if one is given.
+        """One optimizer step (docs/design.md §2); returns the closure's loss if one is given.
 
         The stages, each a function of ``pipeline.py``, run so that nothing is half-done:
         refuse non-finite gradients (``check_finite_gradients``); gather the owned stacks'
@@ -349,7 +349,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state in torch's layout; never communicates (SPEC §6).
+        """This rank's optimizer state in torch's layout; never communicates (docs/design.md §6).
 
         After ``consolidate_state_dict(to=r)``, rank ``r`` returns the state of every
         rank's blocks instead, until the next ``step()``. The hooks registered with

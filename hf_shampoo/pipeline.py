@@ -1,4 +1,4 @@
-"""The optimizer step's stages over a layout (SPEC §2), in the order ``step()`` runs them.
+"""The optimizer step's stages over a layout (docs/design.md §2), in the order ``step()`` runs them.
 
 0. ``refuse_nonfinite_gradients``: a nan or an inf in any gradient (the distributor found
    it, on every rank alike) raises before any state or parameter changes;
@@ -72,7 +72,7 @@ def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],
     """Stage 1: the owned stacks' gradients and what every block does this step.
 
     ``stacked_params(stack, members)`` returns the members' parameter blocks (for L2
-    weight decay, added to the gradient here, SPEC §2's first line)."""
+    weight decay, added to the gradient here, docs/design.md §2's first line)."""
     jobs: list[tuple[BlockStack, StackStep]] = []
     for stack in layout.owned:
         active = active_members[id(stack)]
@@ -152,7 +152,7 @@ def compute_directions(jobs: list[tuple[BlockStack, StackStep]], workspace: Work
 
 def assign_refresh_offsets(layout: Layout, groups: list[dict],
                            schedules: dict[int, tuple]) -> None:
-    """Give every block its refresh schedule offset (SPEC §2 with ``refresh_schedule``);
+    """Give every block its refresh schedule offset (docs/design.md §2 with ``refresh_schedule``);
     ``schedules`` remembers each group's (schedule, frequency) between calls.
 
     ``"all"``: 0. ``"staggered"``: the group's blocks, heaviest first (``Σ d³``, the

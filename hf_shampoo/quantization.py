@@ -1,4 +1,4 @@
-"""4-bit storage of stacks of matrices (SPEC §5; arXiv 2405.18144).
+"""4-bit storage of stacks of matrices (docs/design.md §5; arXiv 2405.18144).
 
 Block-wise absmax scaling over 64 consecutive elements of a row, and the "linear-square"
 code: 16 levels ``sign(x)·x²`` over ``linspace(-1, 1, 16)`` (``-1/225`` replaced by an
@@ -22,7 +22,7 @@ from torch import Tensor
 from .linalg import syrk
 
 BLOCK = 64
-# matrices with fewer elements stay in float32 (SPEC §5)
+# matrices with fewer elements stay in float32 (docs/design.md §5)
 MIN_QUANTIZED_ELEMENTS = 4096
 
 

@@ -1,8 +1,8 @@
-"""State and per-step math of one stack of same-shape blocks (SPEC §2–§3).
+"""State and per-step math of one stack of same-shape blocks (docs/design.md §2–§3).
 
 A ``BlockStack`` holds every optimizer state tensor of ``n`` same-shape blocks of one
 parameter group, stacked along a leading dim, so that factor updates, preconditioning
-and eigendecompositions are single batched calls. ``direction`` runs SPEC §2 lines 2–8
+and eigendecompositions are single batched calls. ``direction`` runs docs/design.md §2 lines 2–8
 for the stack: the group's preconditioner kind (``preconditioners/``, one module per
 kind) and the shared ``stages``. State names (also the checkpoint keys, see
 ``checkpoint/layout.py``):
@@ -69,7 +69,7 @@ class StackStep:
     step: int
     members: list[int]
     state: dict[str, Tensor]  # the stack's state, or a copy of the rows of ``members``
-    grad: Tensor  # stacked gradients with L2 decay added (SPEC §2 line 1), work dtype
+    grad: Tensor  # stacked gradients with L2 decay added (docs/design.md §2 line 1), work dtype
     param: Tensor | None  # stacked parameters when decoupled weight decay needs them
     refresh_rows: list[int] = field(default_factory=list)  # amortized computation now
     first_rows: list[int] = field(default_factory=list)  # of those: the first refresh
@@ -85,10 +85,10 @@ class BlockRef:
 
     group_index: int
     param_index: int  # position in the optimizer's flat parameter order (state_dict key)
-    block_index: int  # row-major index among the parameter's blocks (SPEC §1)
+    block_index: int  # row-major index among the parameter's blocks (docs/design.md §1)
     param: Tensor
     name: str
-    merged: tuple[int, ...]  # the parameter's merged shape (SPEC §1)
+    merged: tuple[int, ...]  # the parameter's merged shape (docs/design.md §1)
     slices: tuple[slice, ...] | None  # the block within it; None for a single-block parameter
 
 
@@ -161,7 +161,7 @@ class BlockStack:
         return kind_of(job.group).checked_factors(self, job)
 
     def direction(self, job: StackStep, workspace: Workspace, out: Tensor, lr: float) -> None:
-        """SPEC §2 lines 2–8 for the rows of ``job``: writes ``-lr * P`` into ``out``.
+        """docs/design.md §2 lines 2–8 for the rows of ``job``: writes ``-lr * P`` into ``out``.
 
         The kind (``preconditioners/``) does the statistics, the refresh and ``P``; the
         shared ``stages`` the rest. ``job.grad`` and ``job.param`` may be modified.

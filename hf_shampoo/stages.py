@@ -1,4 +1,4 @@
-"""The stages of SPEC §2 that every preconditioner kind shares, as small functions.
+"""The stages of docs/design.md §2 that every preconditioner kind shares, as small functions.
 
 Each works on a stack of same-shape blocks (leading dim: the block) and the stack's state
 dict, in place where it can: grafting state (line 3), the filtered gradient (line 4),
@@ -42,7 +42,7 @@ def state_shapes(group: dict, shape: tuple[int, ...], dtype: torch.dtype) -> dic
 
 
 def second_moment_bias(group: dict, step: int) -> float:
-    """``bc2 = 1 - β2^t`` with bias correction, else 1 (SPEC §2)."""
+    """``bc2 = 1 - β2^t`` with bias correction, else 1 (docs/design.md §2)."""
     beta2 = group["betas"][1]
     return 1.0 - beta2**step if group["use_bias_correction"] and beta2 < 1 else 1.0
 

@@ -1,4 +1,5 @@
-"""Dense float64 reference of SPEC §1-§3 for one parameter: slow, plain loops, no batching.
+"""Dense float64 reference of docs/design.md §1-§3 for one parameter: slow, plain loops,
+no batching.
 
 It is the independent reading of the spec that the optimizer is compared against; it
 deliberately shares no code with ``hf_shampoo`` (its own blocking included).

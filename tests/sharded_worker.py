@@ -1,4 +1,4 @@
-"""Scenarios run on every rank of a gloo group for tests/test_sharded.py (SPEC §8).
+"""Scenarios run on every rank of a gloo group for tests/test_sharded.py (docs/design.md §8).
 
 Parameters are FSDP2 DTensors: ``(Shard(0),)`` on a 1-D mesh, or ``(Replicate(), Shard(0))``
 on a 2x2 HSDP mesh. Gradients are the single-process gradients of

@@ -1,4 +1,4 @@
-"""SPEC §1: merging small dims and splitting into blocks (hf_shampoo.blocking)."""
+"""docs/design.md §1: merging small dims and splitting into blocks (hf_shampoo.blocking)."""
 
 import pytest
 
@@ -9,8 +9,8 @@ from tests.reference_shampoo import reference_block_slices, reference_merged_sha
 @pytest.mark.parametrize(
     ("shape", "max_dim", "expected"),
     [
-        ((10, 3, 3, 3), 128, (10, 27)),  # SPEC example
-        ((6, 4), 1024, (24,)),  # SPEC example: full-matrix AdaGrad on the flat vector
+        ((10, 3, 3, 3), 128, (10, 27)),  # docs/design.md §1 example
+        ((6, 4), 1024, (24,)),  # docs/design.md §1: full-matrix AdaGrad on the flat vector
         ((), 1024, (1,)),  # 0-d tensor
         ((1,), 8, (1,)),
         ((1, 1), 8, (1,)),

@@ -1,5 +1,6 @@
-"""SPEC §6: state_dict() round-trips through torch.save / torch.load(weights_only=True) and a
-resumed run continues exactly (bit for bit) as the run that never stopped."""
+"""docs/design.md §6: state_dict() round-trips through torch.save /
+torch.load(weights_only=True) and a resumed run continues exactly (bit for bit) as the run
+that never stopped."""
 
 import io
 

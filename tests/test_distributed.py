@@ -1,4 +1,4 @@
-"""Data-parallel Shampoo on CPU with gloo (SPEC §4): 2 and 3 ranks against one process.
+"""Data-parallel Shampoo on CPU with gloo (docs/design.md §4): 2 and 3 ranks against one process.
 
 One spawn per world size runs every scenario of ``distributed_worker.py``; the tests
 compare its per-rank results with single-process runs made here.

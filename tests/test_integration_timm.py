@@ -172,7 +172,7 @@ def test_vector_like_tensors():
 
 
 def test_diagonal_groups_step_exactly_like_adamw():
-    """Biases and norms get AdamW's update (Adam grafting alone, SPEC §2 line 5)."""
+    """Biases and norms get AdamW's update (Adam grafting alone, docs/design.md §2 line 5)."""
     model = tiny_model()
     twin = tiny_model()
     shampoo = create_optimizer_v2(model, opt="shampoo", lr=1e-2, weight_decay=0.1,

@@ -58,8 +58,8 @@ def close(a, b):
 
 @pytest.mark.parametrize("preconditioner", ["shampoo", "eigenvalue_corrected"])
 def test_param_without_grad_is_skipped(preconditioner):
-    """SPEC §2 note: a block whose gradient is None is skipped entirely (no state update, no
-    move); the group's step counter t still advances (it counts step() calls)."""
+    """docs/design.md §2: a block whose gradient is None is skipped entirely (no state update,
+    no move); the group's step counter t still advances (it counts step() calls)."""
     config = {**CONFIG, "preconditioner": preconditioner}
     shapes = [(5, 3), (4, 6)]
     inits = [random_tensors(s, 1, seed=50 + i)[0] for i, s in enumerate(shapes)]

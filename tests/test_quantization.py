@@ -14,7 +14,8 @@ LEVELS = quantization.linear_square_levels(torch.float64)
 
 
 def test_linear_square_code():
-    """SPEC §5: sign(x)·x² over linspace(-1, 1, 16), with -1/225 replaced by an exact 0."""
+    """docs/design.md §5: sign(x)·x² over linspace(-1, 1, 16), with -1/225 replaced by an
+    exact 0."""
     x = torch.linspace(-1, 1, 16, dtype=torch.float64)
     expected = x.sign() * x.square()
     assert len(LEVELS) == 16 and bool((LEVELS[1:] > LEVELS[:-1]).all())

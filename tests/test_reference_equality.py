@@ -1,6 +1,6 @@
 """The optimizer equals the dense float64 reference (tests/reference_shampoo.py) step by step.
 
-SPEC §1 (blocking), §2 (one step), §3 (eigenvalue correction, QR refresh).
+docs/design.md §1 (blocking), §2 (one step), §3 (eigenvalue correction, QR refresh).
 """
 
 import pytest
@@ -296,7 +296,7 @@ DESCENDING = [
 
 @pytest.mark.parametrize("shape, config, expect", DESCENDING)
 def test_eigenvalue_corrected_descending_variant(shape, config, expect):
-    """eigenbasis_variant="descending": our former reading of SPEC §3 (reference note 12)."""
+    """eigenbasis_variant="descending": an earlier reading of docs/design.md §3."""
     config = {**EC, "eigenbasis_variant": "descending", **config}
     ref = run_against_reference(shape, config, steps=8)
     _assert_exercised(ref, expect)
@@ -331,14 +331,14 @@ def test_descending_variant_permutes_d_and_differs_from_meta():
 
 def test_qr_refresh_reorders_the_basis_and_leaves_d_as_it_is():
     """Eigenvalues of the row factor swap order over time: the QR refresh re-sorts the basis
-    ascending, and D keeps its order (Meta's semantics, SPEC §3)."""
+    ascending, and D keeps its order (Meta's semantics, docs/design.md §3)."""
     grads = _swapping_row_scales()
     config = {**EC, "betas": (0.5, 0.5), "eigendecomposition": "qr", "qr_max_iterations": 1}
     ref = run_against_reference((4, 6), config, grads=grads)
     assert ref.stats["permuted"] > 0
 
 
-# ------------------------------------------------------------------ KL-Shampoo (SPEC §3)
+# ------------------------------------------------------------------ KL-Shampoo (docs/design.md §3)
 KL = {"lr": 0.05, "epsilon": 1e-6, "preconditioner": "kl_shampoo", "max_preconditioner_dim": 8}
 
 

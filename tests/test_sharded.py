@@ -1,4 +1,4 @@
-"""FSDP2 / HSDP Shampoo on CPU with gloo (SPEC §8): 2 and 3 ranks on a 1-D mesh and a 2x2
+"""FSDP2 / HSDP Shampoo on CPU with gloo (docs/design.md §8): 2 and 3 ranks on a 1-D mesh and a 2x2
 HSDP mesh on 4 ranks, each against one process.
 
 One spawn per mesh runs every scenario of ``sharded_worker.py``; the 3-rank run resumes

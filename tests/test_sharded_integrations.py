@@ -1,4 +1,4 @@
-"""FSDP2 through Accelerate (2 gloo ranks), and every refused sharding (SPEC §8).
+"""FSDP2 through Accelerate (2 gloo ranks), and every refused sharding (docs/design.md §8).
 
 Accelerate runs its real FSDP2 code path (``prepare`` shards the model and swaps the
 optimizer's parameters, bf16 ``MixedPrecisionPolicy``, gradient accumulation,

@@ -1,4 +1,5 @@
-"""With preconditioning switched off, the optimizer is a classic torch optimizer (SPEC §2).
+"""With preconditioning switched off, the optimizer is a classic torch optimizer
+(docs/design.md §2).
 
 start_preconditioning_step = precondition_frequency = 100 > steps run, so no amortized
 computation happens; before it, steps 3-8 reduce to the grafting method (or to Ĝ itself).

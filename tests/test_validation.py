@@ -1,4 +1,4 @@
-"""Invalid input is refused early and clearly (SPEC §7 interface; brief of the package)."""
+"""Invalid input is refused early and clearly (docs/design.md §7)."""
 
 import copy
 

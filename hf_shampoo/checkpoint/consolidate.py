@@ -1,4 +1,4 @@
-"""Consolidation: every rank's blocks gathered onto the ranks that save (SPEC §6).
+"""Consolidation: every rank's blocks gathered onto the ranks that save (docs/design.md §6).
 
 Under data parallelism and FSDP2 each rank's ``state_dict()`` holds the blocks it owns.
 Tools that write the optimizer from one process (the Trainer, ``accelerator.save_state``)

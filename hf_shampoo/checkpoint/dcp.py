@@ -1,4 +1,4 @@
-"""Sharded optimizer checkpoints on ``torch.distributed.checkpoint`` (SPEC §4, §6): the
+"""Sharded optimizer checkpoints on ``torch.distributed.checkpoint`` (docs/design.md §4, §6): the
 state dict of ``layout.py`` in a flat form, written and read by torch DCP.
 
 Each rank writes the blocks it owns; loading asks for the blocks the loading rank owns,

@@ -1,4 +1,4 @@
-"""The optimizer's state layout on disk (SPEC §6).
+"""The optimizer's state layout on disk (docs/design.md §6).
 
 ``state_dict()`` follows torch's structure: ``{"state": {param_index: {...}},
 "param_groups": [...]}``. A parameter's entry holds, for each of its blocks ``b`` that this

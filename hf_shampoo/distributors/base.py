@@ -79,7 +79,7 @@ class Distributor:
         return tensor
 
     def blocking_shape(self, param: Tensor) -> tuple[int, ...]:
-        """The shape a parameter is blocked as (SPEC §1: the full parameter's)."""
+        """The shape a parameter is blocked as (docs/design.md §1: the full parameter's)."""
         return tuple(self.local(param).shape)
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:

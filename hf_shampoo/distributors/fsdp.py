@@ -1,11 +1,11 @@
-"""Sharded parameters (SPEC §8): FSDP2 ``fully_shard`` and HSDP meshes.
+"""Sharded parameters (docs/design.md §8): FSDP2 ``fully_shard`` and HSDP meshes.
 
 ``fully_shard`` turns every parameter into a DTensor whose rows (dim 0, ``torch.chunk``
 semantics) are spread over the shard dim of a device mesh: ``(Shard(0),)`` on a 1-D mesh,
 ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh whose first dim holds identical replicas.
 
 ``ShardedDistributor`` (the default, lossless) blocks every parameter as the full tensor,
-exactly as one process does (SPEC §1), and gives each block one owner among all ranks of
+exactly as one process does (docs/design.md §1), and gives each block one owner among all ranks of
 the mesh. A step is three collectives, whatever the number of parameters:
 
 1. an ``all_reduce`` of one flag per parameter (which parameters have a gradient);
@@ -133,7 +133,7 @@ def sharding_mesh(params: Sequence[Tensor]) -> list[list[int]] | None:
 
 @dataclass(frozen=True)
 class RowSharding:
-    """Which rows of a parameter's merged view (SPEC §1) each shard index holds.
+    """Which rows of a parameter's merged view (docs/design.md §1) each shard index holds.
 
     ``fully_shard`` splits dim 0 with ``torch.chunk``; a range of dim-0 rows is a range
     of merged rows, because merging keeps dim 0 in the first merged dim. A plain

@@ -8,7 +8,7 @@ their first name) a role from the module that owns it, and each role a configura
   ``{2: {d: 0}}``; a table small enough to be merged into one dim gets the diagonal method);
 - biases, norm weights and other vectors use the grafting method alone
   (``preconditioner="diagonal"``);
-- convolution kernels and matrices get full Shampoo; kernels are merged by SPEC §1.
+- convolution kernels and matrices get full Shampoo; kernels are merged by docs/design.md §1.
 
 Presets bundle these rules (``"transformer"``, ``"cnn"``, ``"muon"``, ``"none"``); the
 ``"muon"`` preset gives hidden matrices and conv kernels spectral descent on whole matrices
@@ -333,7 +333,7 @@ def make_optimizer(
     vocab_size: int | None = None,
     **shampoo_kwargs: Any,
 ) -> DistributedShampoo:
-    """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in SPEC §7.
+    """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in docs/design.md §7.
 
     ``weight_decay`` among them applies to the decayed parameters only.
     """

@@ -78,7 +78,8 @@ class TimmShampoo(DistributedShampoo):
 
 
 class TimmSoap(DistributedShampoo):
-    """timm's ``opt="soap"``: eigenvalue-corrected Shampoo (SOAP, SPEC §3), treated like Adam.
+    """timm's ``opt="soap"``: eigenvalue-corrected Shampoo (SOAP, docs/design.md §3),
+    treated like Adam.
 
     ``eps`` is the epsilon of the corrected second moment (``epsilon``, default 1e-8); no
     grafting for preconditioned tensors. The vector-like tensors (biases, norms) take plain
@@ -112,7 +113,7 @@ class TimmSoap(DistributedShampoo):
 
 
 class TimmKLShampoo(TimmShampoo):
-    """timm's ``opt="klshampoo"``: KL-Shampoo (SPEC §3) with ``"shampoo"``'s defaults and
+    """timm's ``opt="klshampoo"``: KL-Shampoo (docs/design.md §3) with ``"shampoo"``'s defaults and
     arguments (Adam grafting, AdamW's hyperparameters); ``grafting=None`` gives Meta's
     ungrafted form."""
 

@@ -14,7 +14,7 @@ Two routes build the same optimizer from a model and ``TrainingArguments``:
   relies on private transformers API.
 
 Defaults follow the AdamW migration (``trainer_defaults``), ``optim_args="k=v,..."`` takes
-the SPEC §7 keyword names (``parse_optim_args``), and parameters are grouped by the module
+the docs/design.md §7 keyword names (``parse_optim_args``), and parameters are grouped by the module
 rules of ``modules.py``.
 """
 
@@ -76,7 +76,8 @@ _OVERRIDE_SEPARATOR = "@"
 # ---------------------------------------------------------------------- optim_args
 @dataclass
 class OptimArgs:
-    """``optim_args`` parsed: SPEC §7 keywords, per-pattern overrides, the module preset."""
+    """``optim_args`` parsed: docs/design.md §7 keywords, per-pattern overrides, the module
+    preset."""
 
     kwargs: dict[str, Any] = field(default_factory=dict)
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -127,7 +128,7 @@ def _bad(key: str, text: str, expected: str) -> ValueError:
 
 
 def cast_value(key: str, text: Any) -> Any:
-    """Cast an ``optim_args`` string to the type of the keyword ``key`` (SPEC §7)."""
+    """Cast an ``optim_args`` string to the type of the keyword ``key`` (docs/design.md §7)."""
     if not isinstance(text, str):
         return text  # already typed (optim_args given as a dict)
     raw = text.strip()
@@ -178,7 +179,7 @@ def cast_value(key: str, text: Any) -> Any:
 def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
     """Parse ``"k=v,k=v,PATTERN@k=v"`` (or a dict) into typed keywords.
 
-    Keys are the SPEC §7 keyword names (plus ``preset``); ``PATTERN@key=value`` sets a
+    Keys are the docs/design.md §7 keyword names (plus ``preset``); ``PATTERN@key=value`` sets a
     keyword for the parameters whose name or owning module's name matches the glob
     ``PATTERN``. Inside ``optim_args`` write ``;`` where Python writes ``,`` in a value
     (``betas=(0.9;0.999)``, ``inverse_exponent_override={2:{0:0;1:0.5}}``): transformers
@@ -318,7 +319,8 @@ def create_optimizer(model: torch.nn.Module, args: Any, **options: Any) -> Distr
     """``DistributedShampoo`` for ``model`` configured from ``TrainingArguments``.
 
     ``options``: ``decay_parameter_names`` (default: the Trainer's rule), ``shampoo_kwargs``
-    (SPEC §7 keywords over ``optim_args``), ``overrides`` ({pattern: keywords}), ``preset``.
+    (docs/design.md §7 keywords over ``optim_args``), ``overrides`` ({pattern: keywords}),
+    ``preset``.
     """
     kwargs = _build(args, model, **options)
     return DistributedShampoo(kwargs.pop("params"), **kwargs)
@@ -410,7 +412,7 @@ def _make_classes() -> dict[str, type]:
         Uses only public Trainer API (``create_optimizer``, ``get_decay_parameter_names``,
         ``pop_callback`` / ``add_callback``: the checkpoint callback goes last).
         ``args.optim_args`` is read as Shampoo keywords whatever
-        ``args.optim`` says; ``shampoo_kwargs`` (SPEC §7 keywords), ``module_overrides``
+        ``args.optim`` says; ``shampoo_kwargs`` (docs/design.md §7 keywords), ``module_overrides``
         ({pattern: keywords}) and ``preset`` ("transformer", "cnn", "none") win over it.
         """
 

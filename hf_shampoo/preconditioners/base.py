@@ -1,5 +1,5 @@
 """The interface every preconditioner kind implements, and the Kronecker-factor statistics
-that the factored kinds share (SPEC §2 line 2).
+that the factored kinds share (docs/design.md §2 line 2).
 
 A kind is a stateless object; its methods take the ``BlockStack`` (state, members,
 failure counts) and the step's ``StackStep`` (rows, gradient, refresh rows). The stack
@@ -23,7 +23,7 @@ class Preconditioner:
     """One kind of preconditioner (the ``preconditioner`` keyword's value)."""
 
     name: str = ""
-    # whether the direction is rescaled to the grafting method's norm (SPEC §2 line 5);
+    # whether the direction is rescaled to the grafting method's norm (docs/design.md §2 line 5);
     # False for a kind whose direction is the grafting direction itself
     grafted: bool = True
     # whether parameters are blocked as matrices (dim 0, the rest) instead of by merging
@@ -52,7 +52,7 @@ class Preconditioner:
         return torch.zeros((n, *shape), dtype=dtype, device=device)
 
     def factor_dims(self, stack, group: dict) -> list[int]:
-        """Dims whose factor matrix is state, updated every step (SPEC §2 line 2)."""
+        """Dims whose factor matrix is state, updated every step (docs/design.md §2 line 2)."""
         return self.preconditioned_dims(group, stack.order)
 
     def statistics_input(self, state: dict, group: dict, g: Tensor, dim: int, order: int,
@@ -80,7 +80,8 @@ class Preconditioner:
 
 
 class KroneckerFactored(Preconditioner):
-    """Kinds with a factor matrix ``F_j = β2 F_j + (1-β2) X_(j) X_(j)ᵀ`` per dim (SPEC §2)."""
+    """Kinds with a factor matrix ``F_j = β2 F_j + (1-β2) X_(j) X_(j)ᵀ`` per dim
+    (docs/design.md §2)."""
 
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = {}

@@ -1,10 +1,10 @@
-"""Eigenvalue-corrected Shampoo (SOAP; SPEC §2–§3, Meta's ``EigenvalueCorrectedShampoo``).
+"""Eigenvalue-corrected Shampoo (SOAP; docs/design.md §2–§3, Meta's ``EigenvalueCorrectedShampoo``).
 
 Each dim keeps an eigenbasis ``Q_j`` of its factor; a diagonal second moment ``D`` of the
 gradient rotated into those bases replaces the factors' eigenvalues:
 ``P = R⁻¹((R(Ĝ)) / ((D / bc2)^e + ε))`` with ``R(X) = X ×_1 Q_1ᵀ ... ×_k Q_kᵀ``.
 Refreshes renew the bases only: ``eigh`` of ``A + εI``, or Meta's QR algorithm in the
-rotated frame from the kept basis (``eigendecomposition="qr"``), with the SPEC §3
+rotated frame from the kept basis (``eigendecomposition="qr"``), with the docs/design.md §3
 criterion deciding which bases are stale. ``eigenbasis_variant="meta"`` (default) is
 Meta's arithmetic: ascending eigenvalue order, ``D`` never permuted;
 ``"descending"`` sorts bases by descending eigenvalue, refreshes first by ``eigh`` and

@@ -2,7 +2,7 @@
 
 Shampoo's inverse roots and refreshes, with other statistics: factor ``j`` is built from
 the gradient multiplied along every other preconditioned dim by that dim's current inverse
-root (the identity before the first refresh; SPEC §3), so each factor sees the gradient
+root (the identity before the first refresh; docs/design.md §3), so each factor sees the gradient
 whitened by the others.
 """
 

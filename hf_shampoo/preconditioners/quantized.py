@@ -1,4 +1,4 @@
-"""4-bit Shampoo and 4-bit eigenvalue-corrected Shampoo (``quantization="4bit"``; SPEC §5,
+"""4-bit Shampoo and 4-bit eigenvalue-corrected Shampoo (``quantization="4bit"``; docs/design.md §5,
 arXiv 2405.18144).
 
 A factor ``F_j`` with at least 4096 elements is kept as its eigendecomposition: float32

@@ -1,10 +1,10 @@
-"""What every Kronecker-factored kind's amortized refresh shares (SPEC §2 line 2, §3).
+"""What every Kronecker-factored kind's amortized refresh shares (docs/design.md §2 line 2, §3).
 
 A refresh works on some rows of a stack (the blocks whose schedule says so). Per
 preconditioned dim it takes ``A = F / bc2`` of those rows (``DimRefresh``), decides with
-the SPEC §3 criterion which matrices need a new basis, decomposes those (all dims' ``eigh``
-calls batched together, or warm-started QR), and writes the new bases back, keeping the
-previous basis of a matrix whose decomposition failed. ``Rows`` does the row bookkeeping
+the docs/design.md §3 criterion which matrices need a new basis, decomposes those (all
+dims' ``eigh`` calls batched together, or warm-started QR), and writes the new bases back,
+keeping the previous basis of a matrix whose decomposition failed. ``Rows`` does the row bookkeeping
 without copies where every row refreshes. The kinds decide what a basis is used for
 (inverse roots, eigenvalue correction) in their own modules.
 """
@@ -87,7 +87,7 @@ def plan_dims(job, dims: list[int], picked: Rows, workspace) -> list[DimRefresh]
 
 
 def apply_criterion(job, plan: DimRefresh, picked: Rows, shift: bool) -> None:
-    """SPEC §3: only matrices whose kept basis fails the criterion stay to do; the others'
+    """docs/design.md §3: only matrices whose kept basis fails the criterion stay to do; the others'
     eigenvalues are ``diag(QᵀAQ) + ε``. ``shift``: check ``A + εI`` (Meta's
     eigenvalue-corrected mode) instead of ``A``."""
     group, epsilon = job.group, job.group["epsilon"]

@@ -1,9 +1,9 @@
-"""Shampoo: the preconditioner is a product of per-dim inverse roots (SPEC §2–§3).
+"""Shampoo: the preconditioner is a product of per-dim inverse roots (docs/design.md §2–§3).
 
 ``P = G ×_1 I_1 ... ×_k I_k`` with ``I_j = (F_j / bc2 + εI)^(-e_j)``, recomputed at
 refresh steps from an eigendecomposition: ``eigh``, or warm-started QR from the kept basis
 (``eigendecomposition="qr"``), and with ``eigenbasis_tolerance > 0`` only where the kept
-basis fails the SPEC §3 criterion. State: ``factor_matrix_{j}``, ``inverse_root_{j}``,
+basis fails the docs/design.md §3 criterion. State: ``factor_matrix_{j}``, ``inverse_root_{j}``,
 and ``eigenvectors_{j}`` (sorted by descending eigenvalue) when QR or the criterion needs
 them. The roots are computed in ``factor_matrix_dtype`` and stored in
 ``inv_factor_matrix_dtype`` (Meta's option of that name); ``P`` is computed in the roots'
