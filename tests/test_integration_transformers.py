@@ -30,6 +30,7 @@ from transformers import (
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations import transformers as hft
 from hf_shampoo.integrations.modules import describe
+from hf_shampoo.integrations.transformers import registration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,11 +200,11 @@ def test_register_is_idempotent():
 def test_version_guard(monkeypatch):
     import transformers
 
-    monkeypatch.setattr(hft, "_version_ok", [])
+    monkeypatch.setattr(registration, "_version_ok", [])
     monkeypatch.setattr(transformers, "__version__", "6.1.0")
     with pytest.warns(UserWarning, match="outside the versions"):
         assert hft.register() is False
-    monkeypatch.setattr(hft, "_version_ok", [])
+    monkeypatch.setattr(registration, "_version_ok", [])
     monkeypatch.setattr(transformers, "__version__", "5.23.0")
     assert hft.register() is True
 
@@ -218,8 +219,8 @@ def test_transformers_4x_route_wraps_get_optimizer_cls_and_kwargs(monkeypatch, t
 
     module = types.SimpleNamespace(DEFAULT_CALLBACKS=[], Trainer=OldTrainer)
     monkeypatch.setitem(sys.modules, "transformers.trainer_optimizer", types.SimpleNamespace())
-    hft._patch_trainer(module)
-    hft._patch_trainer(module)  # idempotent
+    registration._patch_trainer(module)
+    registration._patch_trainer(module)  # idempotent
     assert module.DEFAULT_CALLBACKS == [hft.ShampooCheckpointCallback]
     ours = training_args(tmp_path, optim="distributed_shampoo")
     cls, kwargs = OldTrainer.get_optimizer_cls_and_kwargs(ours, tiny_gpt2())

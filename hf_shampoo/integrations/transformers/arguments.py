@@ -1,0 +1,320 @@
+"""``TrainingArguments`` → ``DistributedShampoo``: the optimizer names, ``optim_args`` and
+the defaults.
+
+``optim_args="k=v,..."`` takes the docs/design.md §7 keyword names (``parse_optim_args``:
+values cast to the keyword's type, ``PATTERN@key`` for matching modules, ``preset``);
+defaults follow the AdamW migration (``trainer_defaults``); parameters are grouped by the
+module rules of ``modules.py``. ``create_optimizer`` and ``optimizer_cls_and_kwargs`` build
+the optimizer; they need nothing of transformers but its ``TrainingArguments``' fields.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...config import DEFAULTS, validate_group
+from ...optimizer import DistributedShampoo
+from ..modules import PRESETS, check_override, hf_no_decay, param_groups, walk
+
+OPTIMIZER_NAME = "distributed_shampoo"
+# Muon by name: the same optimizer with the "muon" module preset (spectral descent on
+# hidden matrices, Adam elsewhere; docs/muon.md)
+MUON_NAME = "distributed_muon"
+# the names this package registers, and the module preset each implies
+OPTIMIZER_NAMES = {OPTIMIZER_NAME: None, MUON_NAME: "muon"}
+
+# Fine-tuning defaults (hundreds to tens of thousands of steps), see docs/transformers.md
+# ("What TrainingArguments become"):
+# - precondition_frequency=50: the root inverses cost O(d^3) per block; every 50 steps this
+#   is a few percent of the step time, and a 300-step run still refreshes 6 times.
+# - start_preconditioning_step=None (= 50): Adam steps (the grafting method) until the
+#   factor matrices have seen 50 gradients, a warm-up comparable to usual LR warm-ups.
+# - max_preconditioner_dim=512: half the memory (8 bytes/parameter for the factors and roots
+#   instead of 16) and half the eigendecomposition cost per parameter of 1024, while hidden
+#   sizes of 768-4096 are still cut into few, large blocks.
+FINE_TUNING_DEFAULTS: dict[str, Any] = {
+    "precondition_frequency": 50,
+    "start_preconditioning_step": None,
+    "max_preconditioner_dim": 512,
+}
+SHAMPOO_EPSILON = 1e-12
+
+INTEGRATION_KEYS = ("preset",)
+_OVERRIDE_SEPARATOR = "@"
+
+
+def optim_name(args: Any) -> str:
+    """``args.optim`` as a plain string (an ``OptimizerNames`` member or a string)."""
+    optim = getattr(args, "optim", None)
+    return str(getattr(optim, "value", optim))
+
+
+# ---------------------------------------------------------------------- optim_args
+@dataclass
+class OptimArgs:
+    """``optim_args`` parsed: docs/design.md §7 keywords, per-pattern overrides, the module
+    preset."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    preset: str | None = None
+
+
+_DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
+# Keywords whose default is None, and the type they take otherwise.
+_OPTIONAL_TYPES = {
+    "beta3": float,
+    "start_preconditioning_step": int,
+    "grafting": str,
+    "inverse_exponent_override": dict,
+    "quantization": str,
+    "statistics_frequency": int,
+    "inv_factor_matrix_dtype": torch.dtype,
+    "newton_schulz_dtype": torch.dtype,
+    "spectral_lr_adjustment": str,
+    "sign_scale": str,
+    "vector_preconditioner": str,
+}
+
+
+def valid_keys() -> list[str]:
+    """The keys ``optim_args`` accepts (``PATTERN@key`` sets ``key`` for matching modules)."""
+    return list(DEFAULTS) + list(INTEGRATION_KEYS)
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets, so ``betas=(0.9,0.999)`` stays one item."""
+    items, depth, current = [], 0, []
+    for char in text:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    items.append("".join(current))
+    return [item.strip() for item in items if item.strip()]
+
+
+def _bad(key: str, text: str, expected: str) -> ValueError:
+    return ValueError(f"hf_shampoo: optim_args {key}={text!r}: expected {expected}")
+
+
+def cast_value(key: str, text: Any) -> Any:
+    """Cast an ``optim_args`` string to the type of the keyword ``key`` (docs/design.md §7)."""
+    if not isinstance(text, str):
+        return text  # already typed (optim_args given as a dict)
+    raw = text.strip()
+    default = DEFAULTS[key]
+    kind = _OPTIONAL_TYPES.get(key, type(default))
+    if raw.lower() in ("none", "null") and (default is None or key in _OPTIONAL_TYPES):
+        return None
+    if kind is bool:
+        lowered = raw.lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise _bad(key, raw, "true or false")
+    if kind is int:
+        try:
+            number = float(raw)
+        except ValueError:
+            raise _bad(key, raw, "an integer") from None
+        if not number.is_integer():
+            raise _bad(key, raw, "an integer")
+        return int(number)
+    if kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise _bad(key, raw, "a number") from None
+    if kind is tuple:
+        parts = [p for p in raw.strip("()[] ").replace(";", ",").replace(":", ",").split(",") if p]
+        try:
+            return tuple(float(p) for p in parts)
+        except ValueError:
+            raise _bad(key, raw, "numbers such as (0.9;0.999)") from None
+    if kind is torch.dtype or isinstance(default, torch.dtype):
+        name = raw.removeprefix("torch.")
+        dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise _bad(key, raw, "a dtype such as float32, bfloat16 or float16")
+        return dtype
+    if kind is dict:
+        try:
+            return ast.literal_eval(raw.replace(";", ","))
+        except (ValueError, SyntaxError):
+            raise _bad(key, raw, "a dict such as {2:{0:0}} (';' between items)") from None
+    return raw
+
+
+def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
+    """Parse ``"k=v,k=v,PATTERN@k=v"`` (or a dict) into typed keywords.
+
+    Keys are the docs/design.md §7 keyword names (plus ``preset``); ``PATTERN@key=value`` sets a
+    keyword for the parameters whose name or owning module's name matches the glob
+    ``PATTERN``. Inside ``optim_args`` write ``;`` where Python writes ``,`` in a value
+    (``betas=(0.9;0.999)``, ``inverse_exponent_override={2:{0:0;1:0.5}}``): transformers
+    splits ``optim_args`` on every comma. Unknown keys and bad values raise ``ValueError``
+    listing the valid keys.
+    """
+    parsed = OptimArgs()
+    if not optim_args:
+        return parsed
+    if isinstance(optim_args, Mapping):
+        items = list(optim_args.items())
+    else:
+        items = []
+        for item in _split_top_level(str(optim_args)):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(
+                    f"hf_shampoo: optim_args item {item!r} is not key=value; valid keys: "
+                    f"{', '.join(valid_keys())} (PATTERN@key=value for some modules)"
+                )
+            items.append((key.strip(), value))
+    for key, value in items:
+        pattern, sep, name = str(key).rpartition(_OVERRIDE_SEPARATOR)
+        if name == "preset" and not sep:
+            if value not in PRESETS:
+                raise _bad("preset", value, f"one of {', '.join(PRESETS)}")
+            parsed.preset = value
+            continue
+        if name not in DEFAULTS:
+            raise ValueError(
+                f"hf_shampoo: unknown optim_args key {key!r}; valid keys: "
+                f"{', '.join(valid_keys())} (PATTERN@key=value sets a key for the parameters "
+                "or modules whose name matches the glob PATTERN)"
+            )
+        if sep and not pattern:
+            raise ValueError(f"hf_shampoo: optim_args key {key!r} has an empty pattern")
+        target = parsed.overrides.setdefault(pattern, {}) if sep else parsed.kwargs
+        target[name] = cast_value(name, value)
+    return parsed
+
+
+# ---------------------------------------------------------------------- defaults
+def trainer_defaults(args: Any) -> dict[str, Any]:
+    """The AdamW migration of ``TrainingArguments``: ``learning_rate``, ``adam_beta1/2``,
+    Adam grafting with ``adam_beta2`` / ``adam_epsilon``, decoupled ``weight_decay``,
+    Shampoo epsilon 1e-12, and ``FINE_TUNING_DEFAULTS``."""
+    return {
+        "lr": args.learning_rate,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "epsilon": SHAMPOO_EPSILON,
+        "weight_decay": args.weight_decay,
+        "weight_decay_type": "decoupled",
+        "grafting": "adam",
+        "grafting_beta2": args.adam_beta2,
+        "grafting_epsilon": args.adam_epsilon,
+        **FINE_TUNING_DEFAULTS,
+    }
+
+
+def resolve_kwargs(args: Any, *chosen: Mapping[str, Any]) -> dict[str, Any]:
+    """``trainer_defaults(args)`` updated by the user's keywords (``optim_args``, Python),
+    validated. Choosing ``preconditioner="eigenvalue_corrected"`` (SOAP) also switches the
+    defaults to no grafting and Adam's epsilon (``adam_epsilon``), unless those are set."""
+    user: dict[str, Any] = {}
+    for keywords in chosen:
+        user.update(keywords)
+    kwargs = {**trainer_defaults(args), **user}
+    if user.get("preconditioner") == "eigenvalue_corrected":
+        if "grafting" not in user:
+            kwargs["grafting"] = None
+        if "epsilon" not in user:
+            kwargs["epsilon"] = args.adam_epsilon
+    group = {**DEFAULTS, **kwargs}
+    if isinstance(group["betas"], list):
+        group["betas"] = kwargs["betas"] = tuple(group["betas"])
+    try:
+        validate_group(group)
+    except ValueError as error:
+        raise ValueError(
+            f"{error} (from TrainingArguments / optim_args; valid keys: {', '.join(valid_keys())})"
+        ) from None
+    return kwargs
+
+
+def validate_args(args: Any) -> None:
+    """Raise ``ValueError`` now if ``args.optim_args`` would not build a Shampoo optimizer
+    through transformers (which splits ``optim_args`` on every comma)."""
+    text = getattr(args, "optim_args", None)
+    if isinstance(text, str) and any("," in item for item in _split_top_level(text)):
+        raise ValueError(
+            f"hf_shampoo: optim_args={text!r} has a comma inside a value; transformers splits "
+            "optim_args on every comma, so write ';' there, e.g. betas=(0.9;0.999)"
+        )
+    parsed = parse_optim_args(text)
+    resolve_kwargs(args, parsed.kwargs)
+    for pattern, keywords in parsed.overrides.items():
+        check_override(pattern, keywords)
+
+
+def trainer_decay_parameter_names(model: torch.nn.Module) -> list[str]:
+    """The Trainer's decayed parameters (``Trainer.get_decay_parameter_names`` in 5.x)."""
+    return [info.name for info in walk(model) if not hf_no_decay(info)]
+
+
+# ---------------------------------------------------------------------- building
+def _build(
+    args: Any,
+    model: torch.nn.Module | None,
+    *,
+    decay_parameter_names: list[str] | None = None,
+    shampoo_kwargs: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    preset: str | None = None,
+) -> dict[str, Any]:
+    """Optimizer keywords, with ``params`` (named groups) when a model is given."""
+    parsed = parse_optim_args(getattr(args, "optim_args", None))
+    kwargs = resolve_kwargs(args, parsed.kwargs, shampoo_kwargs or {})
+    if model is None:
+        return kwargs
+    if decay_parameter_names is None:
+        decay_parameter_names = trainer_decay_parameter_names(model)
+    all_overrides = {**parsed.overrides, **(overrides or {})}
+    groups_defaults = dict(kwargs)
+    weight_decay = groups_defaults.pop("weight_decay")
+    kwargs["params"] = param_groups(
+        model,
+        preset or parsed.preset or OPTIMIZER_NAMES.get(optim_name(args)) or "transformer",
+        all_overrides,
+        weight_decay=weight_decay,
+        decay_parameter_names=decay_parameter_names,
+        defaults=groups_defaults,
+    )
+    return kwargs
+
+
+def create_optimizer(model: torch.nn.Module, args: Any, **options: Any) -> DistributedShampoo:
+    """``DistributedShampoo`` for ``model`` configured from ``TrainingArguments``.
+
+    ``options``: ``decay_parameter_names`` (default: the Trainer's rule), ``shampoo_kwargs``
+    (docs/design.md §7 keywords over ``optim_args``), ``overrides`` ({pattern: keywords}),
+    ``preset``.
+    """
+    kwargs = _build(args, model, **options)
+    return DistributedShampoo(kwargs.pop("params"), **kwargs)
+
+
+def optimizer_cls_and_kwargs(
+    args: Any, model: torch.nn.Module | None = None, **options: Any
+) -> tuple[type[DistributedShampoo], dict[str, Any]]:
+    """For ``Trainer(optimizer_cls_and_kwargs=...)``: ``(DistributedShampoo, kwargs)``.
+
+    With ``model`` the keywords carry the module-rule groups as ``params`` (the Trainer uses
+    them instead of its own two groups); without it, the Trainer's decay / no-decay groups
+    get the Shampoo keywords. Add ``ShampooCheckpointCallback`` for multi-rank checkpoints
+    (``register()`` or ``ShampooTrainer`` do that for you).
+    """
+    return DistributedShampoo, _build(args, model, **options)

@@ -1,0 +1,132 @@
+"""The Trainer side: ``ShampooCheckpointCallback`` (consolidates the sharded state before
+the Trainer saves on one rank) and ``ShampooTrainer`` (the stable route: it overrides only
+the public ``Trainer.create_optimizer``). Both subclass transformers' classes, so they are
+defined on first use (``classes()``), never by ``import hf_shampoo``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..accelerate import consolidate
+from ..modules import PRESETS
+from .arguments import (
+    OPTIMIZER_NAMES,
+    create_optimizer,
+    optim_name,
+    parse_optim_args,
+    resolve_kwargs,
+    validate_args,
+)
+
+
+def uses_shampoo(args: Any) -> bool:
+    """Whether ``args.optim`` is one of this package's names."""
+    return optim_name(args) in OPTIMIZER_NAMES
+
+
+def _will_save_optimizer(args: Any, control: Any) -> bool:
+    if getattr(args, "save_only_model", False):
+        return False
+    best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"
+    return bool(control.should_save or (best and control.should_evaluate))
+
+
+def save_ranks(args: Any) -> list[int]:
+    """Global ranks that write ``optimizer.pt``: rank 0, or with ``save_on_each_node`` the
+    first rank of every node (each receives the consolidated state)."""
+    world = int(getattr(args, "world_size", 1) or 1)
+    if getattr(args, "save_on_each_node", False):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return list(range(0, world, max(local, 1)))
+    return [0]
+
+
+_classes: dict[str, type] = {}
+
+
+def classes() -> dict[str, type]:
+    """Define the classes that subclass transformers' (imported on first use)."""
+    if _classes:
+        return _classes
+    from transformers import Trainer, TrainerCallback
+
+    if _classes:  # importing the Trainer ran the import hook, which defined them
+        return _classes
+
+    class ShampooCheckpointCallback(TrainerCallback):
+        """Consolidates ``DistributedShampoo``'s sharded state on rank 0 before a save.
+
+        The Trainer writes ``optimizer.pt`` from rank 0 only; this callback runs on every
+        rank at ``on_step_end`` / ``on_epoch_end``, after ``DefaultFlowCallback`` has set
+        ``control.should_save`` (and before the save itself), and calls the collective
+        ``consolidate_state_dict()`` onto every rank that writes the checkpoint (rank 0, or
+        each node's first rank with ``save_on_each_node``). With ``save_strategy="best"``
+        it consolidates at every
+        evaluation, since whether to save is decided after it. It also validates
+        ``optim_args`` when the Trainer is built. Other optimizers are left alone.
+        """
+
+        def on_init_end(self, args, state, control, **kwargs):
+            if uses_shampoo(args):
+                validate_args(args)
+
+        def _consolidate_if_saving(self, args, control, optimizer):
+            if optimizer is not None and _will_save_optimizer(args, control):
+                consolidate(optimizer, to=save_ranks(args))
+
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            self._consolidate_if_saving(args, control, optimizer)
+
+        def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+            self._consolidate_if_saving(args, control, optimizer)
+
+    class ShampooTrainer(Trainer):
+        """A ``Trainer`` that always trains with ``DistributedShampoo``.
+
+        Uses only public Trainer API (``create_optimizer``, ``get_decay_parameter_names``,
+        ``pop_callback`` / ``add_callback``: the checkpoint callback goes last).
+        ``args.optim_args`` is read as Shampoo keywords whatever
+        ``args.optim`` says; ``shampoo_kwargs`` (docs/design.md §7 keywords), ``module_overrides``
+        ({pattern: keywords}) and ``preset`` ("transformer", "cnn", "none") win over it.
+        """
+
+        def __init__(
+            self,
+            *args,
+            shampoo_kwargs: Mapping[str, Any] | None = None,
+            module_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+            preset: str | None = None,
+            **kwargs,
+        ):
+            self.shampoo_kwargs = dict(shampoo_kwargs or {})
+            self.module_overrides = dict(module_overrides or {})
+            self.shampoo_preset = preset
+            super().__init__(*args, **kwargs)
+            parsed = parse_optim_args(self.args.optim_args)
+            resolve_kwargs(self.args, parsed.kwargs, self.shampoo_kwargs)  # fail early
+            if preset is not None and preset not in PRESETS:
+                raise ValueError(f"hf_shampoo: unknown preset {preset!r}; valid: {list(PRESETS)}")
+            # last, so that it sees should_save as every other callback left it
+            callback = self.pop_callback(ShampooCheckpointCallback) or ShampooCheckpointCallback
+            self.add_callback(callback)
+
+        def create_optimizer(self, model=None):
+            opt_model = self.model if model is None else model
+            if self.optimizer is None:
+                self.optimizer = create_optimizer(
+                    opt_model,
+                    self.args,
+                    decay_parameter_names=self.get_decay_parameter_names(opt_model),
+                    shampoo_kwargs=self.shampoo_kwargs,
+                    overrides=self.module_overrides,
+                    preset=self.shampoo_preset,
+                )
+            return self.optimizer
+
+    _classes.update(
+        ShampooCheckpointCallback=ShampooCheckpointCallback, ShampooTrainer=ShampooTrainer
+    )
+    return _classes
