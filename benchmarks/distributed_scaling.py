@@ -5,7 +5,7 @@ rank on a CPU, as the ranks of one machine would run), with the same gradients: 
 steady step (factor update + preconditioning + applying every block's update), the
 refresh step (eigendecompositions of the rank's factors), the rank's optimizer state,
 and the all-gather volume per step. Prints a markdown table; ``--write`` puts it into
-BENCHMARKS.md between markers.
+docs/benchmarks/distributed.md between markers.
 
 ``--e2e`` adds the end-to-end view: one rank's forward + backward (``--batch-size`` per
 rank, random inputs: ``--image-size`` images for ResNet-50, ``--seq-len`` tokens for

@@ -29,7 +29,7 @@ On CUDA each step is bracketed by ``torch.cuda.synchronize()``.
 
     python benchmarks/end_to_end.py --json $OUT/e2e.json      # on a GPU: a few minutes
     python benchmarks/end_to_end.py --tiny --device cpu       # CPU-sized check, ~20 s
-    python benchmarks/end_to_end.py --write BENCHMARKS.md     # replaces the marked section
+    python benchmarks/end_to_end.py --write docs/benchmarks/gpu.md     # its marked section
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Optimizer step times on a model's parameter shapes: hf_shampoo against Meta's
 ``distributed_shampoo`` (when importable) and against ``torch.optim.AdamW``.
 
-Setting (the issue's): Adam grafting (beta2 0.999, eps 1e-8), betas (0.9, 0.999),
+Setting: Adam grafting (beta2 0.999, eps 1e-8), betas (0.9, 0.999),
 epsilon 1e-12, max_preconditioner_dim 1024, float32, one process, fixed random gradients.
 To reach the Shampoo phase without running thousands of steps, the step counter is set
 just before ``precondition_frequency = start_preconditioning_step = F`` (both
@@ -14,7 +14,7 @@ hits all of them alike; medians are reported.
 Figures:
 - steady / refresh step, each implementation; AdamW (foreach and fused);
 - the refresh floor ``Σ eigh(factor) + steady`` (one ``torch.linalg.eigh`` per factor
-  matrix, as in the issue);
+  matrix, as our goal defines it);
 - FLOPs of hf_shampoo's steady step (``torch.utils.flop_counter``) and its GFLOP/s against
   the machine's fp32 matmul rate at the same shapes (the same matmuls replayed alone);
 - ``--staggered F``: per-step times on ``--model``'s shapes (fixed gradients, no counter
@@ -38,7 +38,7 @@ facebookresearch/optimizers) or put it on PYTHONPATH.
 
     python benchmarks/step_time.py --meta-path ../optimizers --threads 2
     python benchmarks/step_time.py --device cuda --model gpt2-medium --meta-path .meta
-    python benchmarks/step_time.py --write BENCHMARKS.md   # replaces the marked section
+    python benchmarks/step_time.py --write docs/benchmarks/step_time.md   # its marked section
 """
 
 from __future__ import annotations

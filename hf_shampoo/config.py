@@ -85,8 +85,8 @@ EIGENDECOMPOSITIONS = ("eigh", "qr")
 # Eigenvalue-corrected refreshes (docs/design.md §3): "meta" = Meta's numbers (eigh's
 # ascending basis, QR in the rotated frame from the kept basis, D never permuted);
 # "descending" = bases sorted by descending eigenvalue, first refresh by eigh, QR steps
-# qr(A Q), D permuted with the basis (warm-started QR keeps more bases valid: BENCHMARKS.md,
-# convergence).
+# qr(A Q), D permuted with the basis (warm-started QR keeps more bases valid:
+# docs/benchmarks/convergence.md).
 EIGENBASIS_VARIANTS = ("meta", "descending")
 # How QR refreshes orthogonalise (linalg.orthonormal_basis): LAPACK's Householder QR, or
 # shifted Cholesky-QR3 (matrix products; Householder where it cannot do a matrix).
@@ -286,8 +286,8 @@ def validate_group(group: dict[str, Any]) -> None:
             _fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo needs an "
                   "explicit sample cadence: with samples at refresh steps only, one sampled "
                   "gradient gives rank-deficient factors whose arbitrary eigenbasis meets "
-                  "D's zero entries (it diverged on a small CNN; BENCHMARKS.md, 4-bit "
-                  "state); statistics_frequency=1 matched 32 bits")
+                  "D's zero entries (it diverged on a small CNN; docs/benchmarks/memory.md); "
+                  "statistics_frequency=1 matched 32 bits")
         if every is not None:
             _check_int("statistics_frequency", every, 1)
             if group["precondition_frequency"] % every != 0:

@@ -205,7 +205,7 @@ def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:
 
 
 # Below these sizes a symmetric product is one plain bmm (splitting it does not pay; the
-# thresholds were measured on a 2-core AVX-512 CPU, see BENCHMARKS.md).
+# thresholds were measured on a 2-core AVX-512 CPU, see docs/benchmarks/step_time.md).
 SYRK_MIN_DIM = 256
 SYRK_MIN_INNER = 512
 

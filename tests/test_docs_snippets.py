@@ -42,8 +42,8 @@ Rules, by the fence's language tag:
   fails the test.
 
 Also checked: every relative link (and ``#anchor``, by GitHub's heading slugs) of these
-files, BENCHMARKS.md and the folders' README.md files resolves. The runs that start two
-processes under torchrun are marked ``slow``.
+files, BENCHMARKS.md, docs/benchmarks/ and the folders' README.md files resolves. The runs
+that start two processes under torchrun are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -587,7 +587,8 @@ def anchors(path: Path) -> set[str]:
 
 def test_relative_links_resolve():
     broken = []
-    for path in [*DOC_FILES, REPO / "BENCHMARKS.md", *sorted(REPO.glob("*/README.md"))]:
+    for path in [*DOC_FILES, REPO / "BENCHMARKS.md", *sorted(REPO.glob("*/README.md")),
+                 *sorted((REPO / "docs" / "benchmarks").glob("*.md"))]:
         text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target):
