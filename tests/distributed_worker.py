@@ -155,6 +155,21 @@ def train_frozen(config: dict, steps: int = STEPS, params=None, set_step_grads=N
     return params, opt, states
 
 
+def failing_step(opt, params, snapshot=lambda p: p.detach().clone()) -> dict:
+    """A step that should raise ``ShampooNumericalError``: its message (or "stepped"),
+    whether every parameter is unchanged, and the group's step counter after it."""
+    from hf_shampoo import ShampooNumericalError
+
+    before = [snapshot(p) for p in params]
+    try:
+        opt.step()
+        message = "stepped"
+    except ShampooNumericalError as error:
+        message = str(error)
+    return {"message": message, "step": opt.param_groups[0]["step"],
+            "unchanged": all(torch.equal(snapshot(p), b) for p, b in zip(params, before))}
+
+
 def state_numel(state_dict) -> int:
     return sum(t.numel() for entry in state_dict["state"].values() for t in entry.values())
 
@@ -246,31 +261,16 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
     # with the gradient check off, a NaN gradient at a refresh step gives a non-finite
     # factor: every rank raises (the owner names the parameter), none waits in the
     # all-gather, and no parameter moves
-    from hf_shampoo import ShampooNumericalError
-
     params, opt = train(dict(SCENARIOS["shampoo_adam"], check_finite_gradients=False), steps=1)
-    before = [p.detach().clone() for p in params]
     set_grads(params, 2, no_grad={})
     params[1].grad[0, 0] = float("nan")
-    try:
-        opt.step()
-        results["nan"] = "stepped"
-    except ShampooNumericalError as error:
-        results["nan"] = str(error)
-    results["nan_unchanged"] = all(torch.equal(p, b) for p, b in zip(params, before))
+    results["nan"] = failing_step(opt, params)
     # with the check (the default), a NaN gradient on a step without a refresh: every rank
     # raises naming the parameter, before any collective, and nothing moves
     params, opt = train(SCENARIOS["shampoo_adam"], steps=2)  # refreshes at 2, 4, ...
-    before = [p.detach().clone() for p in params]
     set_grads(params, 3, no_grad={})
     params[2].grad[3] = float("nan")
-    try:
-        opt.step()
-        results["nan_grad"] = "stepped"
-    except ShampooNumericalError as error:
-        results["nan_grad"] = str(error)
-    results["nan_grad_unchanged"] = all(torch.equal(p, b) for p, b in zip(params, before))
-    results["nan_grad_step"] = opt.param_groups[0]["step"]
+    results["nan_grad"] = failing_step(opt, params)
     params, opt, blocks = train_frozen(SCENARIOS["shampoo_adam"])
     opt.consolidate_state_dict(to=None)
     results["frozen"] = {"params": [p.detach().clone() for p in params], "blocks": blocks,

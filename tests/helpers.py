@@ -128,3 +128,28 @@ def one_thread_per_process():
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = previous
+
+
+def assert_resumes_exactly(make_model, make_optimizer, train) -> dict:
+    """Train 3 steps, save model and optimizer through torch.save, train 3 more; a fresh
+    model and optimizer loaded from the file and trained the same 3 steps must end bit for
+    bit where the first run did. ``train(model, optimizer, steps, seed)``. Returns the saved
+    optimizer state (for further checks)."""
+    import io
+
+    model = make_model()
+    optimizer = make_optimizer(model)
+    train(model, optimizer, 3, 0)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    train(model, optimizer, 3, 1)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = make_model()
+    resumed.load_state_dict(saved["model"])
+    again = make_optimizer(resumed)
+    again.load_state_dict(saved["optimizer"])
+    train(resumed, again, 3, 1)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+    return saved["optimizer"]

@@ -80,8 +80,8 @@ def sharded_params(mesh, shapes=SHAPES, plain=PLAIN) -> list[torch.nn.Parameter]
     return out
 
 
-def set_sharded_grads(params, mesh, step: int, shapes=SHAPES) -> None:
-    for p, grad in zip(params, full_grads(step, shapes)):
+def set_sharded_grads(params, mesh, step: int, shapes=SHAPES, no_grad=NO_GRAD) -> None:
+    for p, grad in zip(params, full_grads(step, shapes, no_grad)):
         if grad is None:
             p.grad = None
         elif isinstance(p, torch.distributed.tensor.DTensor):
@@ -187,54 +187,34 @@ def _checkpoints(mesh, out_dir: str, resume_dir: str | None, results: dict, name
 
 
 def _non_finite_refresh(mesh, results: dict) -> None:
-    """A NaN gradient row reaches one block's owner at a refresh step: every rank raises
-    (none waits in a collective), and no parameter moves."""
-    from hf_shampoo import ShampooNumericalError
-
+    """A NaN gradient row reaches one block's owner at a refresh step (the gradient check
+    off): every rank raises (none waits in a collective), and no parameter moves. With the
+    check (the default), an inf in one rank's gradient shard on a step without a refresh:
+    every rank raises naming the parameter, and nothing moves."""
     params, opt = train(mesh, dict(SCENARIOS["shampoo_adam"], check_finite_gradients=False),
                         steps=1)
-    before = [full(p) for p in params]
-    set_sharded_grads(params, mesh, 2)
-    grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(5))
-    grad[0, 0] = float("nan")
-    params[1].grad = distribute_tensor(grad, mesh, placements(mesh))
-    try:
-        opt.step()  # step 2 refreshes every block (precondition_frequency 2)
-        results["nan"] = "stepped"
-    except ShampooNumericalError as error:
-        results["nan"] = str(error)
-    results["nan_unchanged"] = all(torch.equal(full(p), b) for p, b in zip(params, before))
-    # with the check (the default), a NaN in one rank's gradient shard on a step without a
-    # refresh: every rank raises naming the parameter, and nothing moves
+    _poison(params, mesh, 2, 5, (0, 0), float("nan"))  # step 2 refreshes every block
+    results["nan"] = ddp_worker.failing_step(opt, params, full)
     params, opt = train(mesh, SCENARIOS["shampoo_adam"], steps=2)  # refreshes at 2, 4, ...
-    before = [full(p) for p in params]
-    set_sharded_grads(params, mesh, 3)
-    grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(6))
-    grad[-1, 0] = float("inf")  # the last rows: the last shard's rank holds them
+    _poison(params, mesh, 3, 6, (-1, 0), float("inf"))  # the last shard's rank holds it
+    results["nan_grad"] = ddp_worker.failing_step(opt, params, full)
+
+
+def _poison(params, mesh, step: int, seed: int, where: tuple, value: float) -> None:
+    """Step ``step``'s gradients, with ``value`` at ``where`` of parameter 1's."""
+    set_sharded_grads(params, mesh, step)
+    grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(seed))
+    grad[where] = value
     params[1].grad = distribute_tensor(grad, mesh, placements(mesh))
-    try:
-        opt.step()
-        results["nan_grad"] = "stepped"
-    except ShampooNumericalError as error:
-        results["nan_grad"] = str(error)
-    results["nan_grad_unchanged"] = all(torch.equal(full(p), b) for p, b in zip(params, before))
-    results["nan_grad_step"] = opt.param_groups[0]["step"]
 
 
 def _frozen(mesh, results: dict) -> None:
     """A frozen parameter and one unfrozen at step 3, sharded: as in one process."""
 
-    def set_step_grads(params, step, no_grad):
-        for p, grad in zip(params, full_grads(step, no_grad=no_grad)):
-            if grad is None:
-                p.grad = None
-            elif isinstance(p, torch.distributed.tensor.DTensor):
-                p.grad = distribute_tensor(grad, mesh, placements(mesh))
-            else:
-                p.grad = grad
-
     params, opt, blocks = ddp_worker.train_frozen(
-        SCENARIOS["shampoo_adam"], params=sharded_params(mesh), set_step_grads=set_step_grads)
+        SCENARIOS["shampoo_adam"], params=sharded_params(mesh),
+        set_step_grads=lambda params, step, no_grad: set_sharded_grads(
+            params, mesh, step, no_grad=no_grad))
     opt.consolidate_state_dict(to=None)
     results["frozen"] = {"params": [full(p) for p in params], "blocks": blocks,
                          "state": sorted(opt.state_dict()["state"])}
@@ -252,21 +232,9 @@ def _local_mode(mesh, results: dict) -> None:
         k for entry in opt.state_dict()["state"].values() for k in entry)
     # an inf in the last rank's shard only: every rank raises (local mode agrees by one
     # all_reduce of the flags), and no rank's shard moves
-    from hf_shampoo import ShampooNumericalError
-
     params, opt = train(mesh, config, steps=2)
-    before = [full(p) for p in params]
-    set_sharded_grads(params, mesh, 3)
-    grad = torch.randn(SHAPES[1], generator=torch.Generator().manual_seed(6))
-    grad[-1, 0] = float("inf")
-    params[1].grad = distribute_tensor(grad, mesh, placements(mesh))
-    try:
-        opt.step()
-        results["local_nan_grad"] = "stepped"
-    except ShampooNumericalError as error:
-        results["local_nan_grad"] = str(error)
-    results["local_nan_grad_unchanged"] = all(
-        torch.equal(full(p), b) for p, b in zip(params, before))
+    _poison(params, mesh, 3, 6, (-1, 0), float("inf"))
+    results["local_nan_grad"] = ddp_worker.failing_step(opt, params, full)
 
 
 def _fully_shard_model(mesh, results: dict) -> None:

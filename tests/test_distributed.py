@@ -184,18 +184,19 @@ def test_ddp_mode_without_process_group_is_refused():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_non_finite_factor_stops_every_rank_and_moves_nothing(runs, world):
-    messages = [r["nan"] for r in runs[world]]
-    assert all(m != "stepped" and "no parameter was changed" in m for m in messages)
-    assert any("param 1 (shape (40, 20))" in m for m in messages)  # the owner names it
-    assert all(r["nan_unchanged"] for r in runs[world])
+    got = [r["nan"] for r in runs[world]]
+    assert all(r["message"] != "stepped" and "no parameter was changed" in r["message"]
+               for r in got)
+    assert any("param 1 (shape (40, 20))" in r["message"] for r in got)  # the owner names it
+    assert all(r["unchanged"] for r in got)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_non_finite_gradient_stops_every_rank_between_refreshes(runs, world):
-    messages = [r["nan_grad"] for r in runs[world]]
-    assert all("non-finite gradient" in m and "param 2 (shape" in m for m in messages), messages
-    assert all("step 3" in m for m in messages)
-    assert all(r["nan_grad_unchanged"] and r["nan_grad_step"] == 2 for r in runs[world])
+    got = [r["nan_grad"] for r in runs[world]]
+    assert all("non-finite gradient" in r["message"] and "param 2 (shape" in r["message"]
+               and "step 3" in r["message"] for r in got), got
+    assert all(r["unchanged"] and r["step"] == 2 for r in got)
 
 
 def test_frozen_parameters_get_no_blocks_and_state_and_unfreezing_adds_them():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, ShampooNumericalError
-from tests.helpers import F64, generator, random_tensors
+from tests.helpers import F64, assert_resumes_exactly, generator, random_tensors
 from tests.reference_shampoo import ReferenceShampoo
 
 CONFIG = {
@@ -414,23 +414,11 @@ def test_frozen_parameters_hold_no_state_and_describe_says_so():
 
 
 def test_a_partly_frozen_model_resumes_exactly():
-    model = _partly_frozen_model()
-    opt = DistributedShampoo(model.parameters(), lr=0.01, grafting="adam",
-                             precondition_frequency=2)
-    _train(model, opt, 3)
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
-    _train(model, opt, 3, seed=1)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed = _partly_frozen_model()
-    resumed.load_state_dict(saved["model"])
-    opt2 = DistributedShampoo(resumed.parameters(), lr=0.01, grafting="adam",
-                              precondition_frequency=2)
-    opt2.load_state_dict(saved["opt"])
-    _train(resumed, opt2, 3, seed=1)
-    for a, b in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(a.detach(), b.detach())
+    assert_resumes_exactly(
+        _partly_frozen_model,
+        lambda model: DistributedShampoo(model.parameters(), lr=0.01, grafting="adam",
+                                         precondition_frequency=2),
+        lambda model, opt, steps, seed: _train(model, opt, steps, seed=seed))
 
 
 def test_state_saved_for_a_parameter_that_is_frozen_now_is_kept():

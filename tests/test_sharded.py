@@ -128,23 +128,21 @@ def test_full_state_dict_after_consolidation_round_trips(runs, mesh, name):
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_a_non_finite_factor_stops_every_rank_and_moves_nothing(runs, mesh):
-    messages = [r["nan"] for r in runs[mesh]]
-    assert all(m != "stepped" for m in messages)
-    assert any("'group 0 param 1 (shape (40, 20))'" in m for m in messages)  # the owner
-    assert all("no parameter was changed" in m for m in messages)
-    assert all(r["nan_unchanged"] for r in runs[mesh])
+    runs_nan = [r["nan"] for r in runs[mesh]]
+    assert all(r["message"] != "stepped" for r in runs_nan)
+    assert any("'group 0 param 1 (shape (40, 20))'" in r["message"] for r in runs_nan)
+    assert all("no parameter was changed" in r["message"] and r["unchanged"] for r in runs_nan)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_a_non_finite_gradient_shard_stops_every_rank_between_refreshes(runs, mesh):
-    messages = [r["nan_grad"] for r in runs[mesh]]
-    assert all("non-finite gradient" in m and "'group 0 param 1 (shape (40, 20))'" in m
-               and "step 3" in m for m in messages), messages
-    assert all(r["nan_grad_unchanged"] and r["nan_grad_step"] == 2 for r in runs[mesh])
-    local = [r["local_nan_grad"] for r in runs[mesh]]
-    assert all("non-finite gradient" in m and "step 3" in m for m in local), local
-    assert any("(shape (" in m for m in local)  # the rank holding the inf names it
-    assert all(r["local_nan_grad_unchanged"] for r in runs[mesh])
+    for key in ("nan_grad", "local_nan_grad"):  # lossless, then fsdp_mode="local"
+        got = [r[key] for r in runs[mesh]]
+        assert all("non-finite gradient" in r["message"] and "step 3" in r["message"]
+                   and r["unchanged"] and r["step"] == 2 for r in got), (key, got)
+        assert any("(shape (40, 20))" in r["message"] for r in got)  # its holder names it
+    assert all("'group 0 param 1 (shape (40, 20))'" in r["nan_grad"]["message"]
+               for r in runs[mesh])
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

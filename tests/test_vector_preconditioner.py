@@ -8,7 +8,7 @@ import torch
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import describe_rows
-from tests.helpers import generator
+from tests.helpers import assert_resumes_exactly, generator
 
 
 def _model():
@@ -97,24 +97,11 @@ def test_the_vector_settings_are_validated_too():
 
 
 def test_a_checkpoint_resumes_exactly():
-    import io
-
-    model = _model()
-    opt = DistributedShampoo(model.parameters(), lr=0.01, vector_preconditioner="diagonal",
-                             precondition_frequency=2)
-    _train(model, opt, 3)
-    buffer = io.BytesIO()
-    torch.save({"m": model.state_dict(), "o": opt.state_dict()}, buffer)
-    _train(model, opt, 3, seed=1)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    again = _model()
-    again.load_state_dict(saved["m"])
-    opt2 = DistributedShampoo(again.parameters(), lr=0.01, vector_preconditioner="diagonal",
-                              precondition_frequency=2)
-    opt2.load_state_dict(saved["o"])
-    _train(again, opt2, 3, seed=1)
-    for a, b in zip(model.parameters(), again.parameters()):
-        assert torch.equal(a.detach(), b.detach())
+    saved = assert_resumes_exactly(
+        _model,
+        lambda model: DistributedShampoo(model.parameters(), lr=0.01,
+                                         vector_preconditioner="diagonal",
+                                         precondition_frequency=2),
+        lambda model, opt, steps, seed: _train(model, opt, steps, seed=seed))
     with pytest.raises(ValueError, match="vector_preconditioner"):
-        DistributedShampoo(_model().parameters(), lr=0.01).load_state_dict(saved["o"])
+        DistributedShampoo(_model().parameters(), lr=0.01).load_state_dict(saved)

@@ -41,16 +41,9 @@ ADAMW_EPS = 1e-8
 
 
 # ---------------------------------------------------------------------- classes
-class TimmShampoo(DistributedShampoo):
-    """timm's ``opt="shampoo"``: Adam-grafted Shampoo, AdamW's hyperparameters.
-
-    ``lr``, ``betas`` and ``weight_decay`` keep their AdamW meaning (decoupled decay);
-    ``eps`` (timm's ``--opt-eps``) is Adam's epsilon, i.e. ``grafting_epsilon``, and
-    Shampoo's own ``epsilon`` is 1e-12. ``foreach`` is accepted and ignored. Any other
-    ``DistributedShampoo`` keyword (``precondition_frequency=...``) passes through, and wins
-    over these defaults. See ``timm_param_groups`` for ``diagonal_1d`` / ``apply_lr_scale``.
-    A ``DistributedShampoo`` subclass, so timm's registry holds a real optimizer class.
-    """
+class _TimmOptimizer(DistributedShampoo):
+    """timm's signature (``lr``, ``weight_decay``, ``betas``, ``eps``, ``foreach``) over
+    ``DistributedShampoo``; each name's class sets its defaults in ``_defaults``."""
 
     def __init__(
         self,
@@ -67,17 +60,37 @@ class TimmShampoo(DistributedShampoo):
     ) -> None:
         del foreach  # the stacked implementation is always multi-tensor
         betas = tuple(betas)
+        self._defaults(betas, eps, kwargs)
+        groups, config = _timm_arguments(params, lr, weight_decay, betas, diagonal_1d,
+                                         apply_lr_scale, kwargs)
+        super().__init__(groups, **config)
+
+    @staticmethod
+    def _defaults(betas: tuple, eps: float | None, kwargs: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class TimmShampoo(_TimmOptimizer):
+    """timm's ``opt="shampoo"``: Adam-grafted Shampoo, AdamW's hyperparameters.
+
+    ``lr``, ``betas`` and ``weight_decay`` keep their AdamW meaning (decoupled decay);
+    ``eps`` (timm's ``--opt-eps``) is Adam's epsilon, i.e. ``grafting_epsilon``, and
+    Shampoo's own ``epsilon`` is 1e-12. ``foreach`` is accepted and ignored. Any other
+    ``DistributedShampoo`` keyword (``precondition_frequency=...``) passes through, and wins
+    over these defaults. See ``timm_param_groups`` for ``diagonal_1d`` / ``apply_lr_scale``.
+    A ``DistributedShampoo`` subclass, so timm's registry holds a real optimizer class.
+    """
+
+    @staticmethod
+    def _defaults(betas: tuple, eps: float | None, kwargs: dict[str, Any]) -> None:
         kwargs.setdefault("epsilon", 1e-12)
         kwargs.setdefault("grafting", "adam")
         kwargs.setdefault("grafting_beta2", betas[1])
         kwargs.setdefault("grafting_epsilon", ADAMW_EPS if eps is None else eps)
         kwargs.setdefault("weight_decay_type", "decoupled")
-        groups, config = _timm_arguments(params, lr, weight_decay, betas, diagonal_1d,
-                                         apply_lr_scale, kwargs)
-        super().__init__(groups, **config)
 
 
-class TimmSoap(DistributedShampoo):
+class TimmSoap(_TimmOptimizer):
     """timm's ``opt="soap"``: eigenvalue-corrected Shampoo (SOAP, docs/design.md §3),
     treated like Adam.
 
@@ -86,49 +99,25 @@ class TimmSoap(DistributedShampoo):
     Adam steps with the same ``betas[1]`` and ``eps``.
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float | None = ADAMW_LR,
-        weight_decay: float = 0.0,
-        betas: Iterable[float] = ADAMW_BETAS,
-        eps: float | None = None,
-        foreach: bool | None = None,
-        *,
-        diagonal_1d: bool = True,
-        apply_lr_scale: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        del foreach
-        betas = tuple(betas)
+    @staticmethod
+    def _defaults(betas: tuple, eps: float | None, kwargs: dict[str, Any]) -> None:
         eps = ADAMW_EPS if eps is None else eps
         kwargs.setdefault("preconditioner", "eigenvalue_corrected")
         kwargs.setdefault("epsilon", eps)
         kwargs.setdefault("grafting_beta2", betas[1])
         kwargs.setdefault("grafting_epsilon", eps)
         kwargs.setdefault("weight_decay_type", "decoupled")
-        groups, config = _timm_arguments(params, lr, weight_decay, betas, diagonal_1d,
-                                         apply_lr_scale, kwargs)
-        super().__init__(groups, **config)
 
 
 class TimmKLShampoo(TimmShampoo):
-    """timm's ``opt="klshampoo"``: KL-Shampoo (docs/design.md §3) with ``"shampoo"``'s defaults and
-    arguments (Adam grafting, AdamW's hyperparameters); ``grafting=None`` gives Meta's
-    ungrafted form."""
+    """timm's ``opt="klshampoo"``: KL-Shampoo (docs/design.md §3) with ``"shampoo"``'s
+    defaults and arguments (Adam grafting, AdamW's hyperparameters); ``grafting=None`` gives
+    Meta's ungrafted form."""
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float | None = ADAMW_LR,
-        weight_decay: float = 0.0,
-        betas: Iterable[float] = ADAMW_BETAS,
-        eps: float | None = None,
-        foreach: bool | None = None,
-        **kwargs: Any,
-    ) -> None:
+    @staticmethod
+    def _defaults(betas: tuple, eps: float | None, kwargs: dict[str, Any]) -> None:
         kwargs.setdefault("preconditioner", "kl_shampoo")
-        super().__init__(params, lr, weight_decay, betas, eps, foreach, **kwargs)
+        TimmShampoo._defaults(betas, eps, kwargs)
 
 
 # The factory names of earlier versions: the classes themselves.
