@@ -108,9 +108,8 @@ def test_shampoo_preconditioned_every_block_before_the_window(tiny):
         assert start["blocks_refreshed"] == start["blocks_with_roots"]
         assert end["blocks_refreshed"] == end["blocks_with_roots"]
         assert start["distinct_refresh_offsets"] == (F if schedule == "staggered" else 1)
-    everything = next(r for r in shampoo if "all" in r["optimizer"])
-    # the refresh of every block at step 3F is in the window and is its slowest step
-    assert everything["times"].index(everything["max"]) == 3 * F - WARMUP - 1
+    # (which step of the window is the slowest is left unasserted: on a busy machine any
+    # step can be, and no test may depend on the machine's load)
 
 
 def test_trainer_optimizer_got_the_optim_args(tiny):
