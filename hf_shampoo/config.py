@@ -56,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "sign_scale": None,
     "check_finite_gradients": True,
     "vector_preconditioner": None,
+    "diagonal_aspect": None,
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -127,6 +128,7 @@ LAYOUT_KEYS = (
     "inv_factor_matrix_dtype",
     "quantization",
     "vector_preconditioner",
+    "diagonal_aspect",
 )
 
 # Entries other tools put into param groups (torch schedulers, timm, transformers): allowed.
@@ -186,6 +188,26 @@ def _check_exponent_override(value: Any) -> None:
                 _fail(key, value, f"dim keys of order {order} must be integers in [0, {order})")
             if not _is_real(exponent) or exponent < 0:
                 _fail(key, value, f"exponents must be real numbers >= 0, got {exponent!r}")
+
+
+def is_elongated(shape: tuple[int, ...], group: Any) -> bool:
+    """A matrix whose long side is at least ``diagonal_aspect`` times the short one: it is
+    blocked as a matrix (never merged into one dim), so that its long side can be diagonal."""
+    aspect = group.get("diagonal_aspect")
+    if aspect is None or len(shape) != 2 or min(shape) == 0:
+        return False
+    return max(shape) >= aspect * min(shape)
+
+
+def diagonal_dims(shape: tuple[int, ...], group: Any) -> list[int]:
+    """The dim of a matrix block whose factor is kept diagonal (``diagonal_aspect``): the
+    long side, where it is at least ``diagonal_aspect`` times the short one (a LoRA
+    adapter's ``d × r``); none for other blocks or without ``diagonal_aspect``."""
+    aspect = group.get("diagonal_aspect")
+    if aspect is None or len(shape) != 2:
+        return []
+    long = 0 if shape[0] >= shape[1] else 1
+    return [long] if shape[long] >= aspect * shape[1 - long] else []
 
 
 def vector_settings(group: dict[str, Any]) -> dict[str, Any]:
@@ -325,6 +347,14 @@ def validate_group(group: dict[str, Any]) -> None:
     n = group["num_trainers_per_group"]
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not (n == -1 or n >= 1):
         _fail("num_trainers_per_group", n, "expected -1 (the whole world) or an integer >= 1")
+    aspect = group["diagonal_aspect"]
+    if aspect is not None:
+        _check_real("diagonal_aspect", aspect, 1.0, math.inf)
+        if group["preconditioner"] != "shampoo" or group["quantization"] is not None:
+            _fail("diagonal_aspect", aspect, "a diagonal long side exists for "
+                  "preconditioner='shampoo' without quantization: expected None here "
+                  f"(preconditioner={group['preconditioner']!r}, "
+                  f"quantization={group['quantization']!r})")
     if group["vector_preconditioner"] is not None:
         try:  # the settings vector-like parameters get must be valid too
             validate_group({**group, **vector_settings(group)})

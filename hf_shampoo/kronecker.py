@@ -46,9 +46,16 @@ def update_factor(
     For a 2-D stack this is ``G Gᵀ`` for dim 0 and ``Gᵀ G`` for dim 1 (docs/design.md §2,
     line 2); the first and the last dim of any block need no copy, middle dims are unfolded into
     ``scratch`` (a tensor of the stack's size) when given. The product is computed as a
-    symmetric one (``linalg.syrk``).
+    symmetric one (``linalg.syrk``). A diagonal factor (``diagonal_aspect``), stacked as
+    ``(n, d)``, takes only the diagonal: the sums of squares over the other dims.
     """
     weight = 1.0 if beta2 == 1.0 else 1.0 - beta2
+    if factor.dim() == 2:  # a diagonal factor (n, d): the diagonal of G_(dim) G_(dim)ᵀ
+        others = [k + 1 for k in range(stack.dim() - 1) if k != dim]
+        squares = stack.square().sum(dim=others) if others else stack.square()
+        if out_of_place:
+            return factor.mul(beta2).add_(squares, alpha=weight)
+        return factor.mul_(beta2).add_(squares, alpha=weight)
     if stack.dim() >= 3 and dim == stack.dim() - 2:  # last dim: (n, rest, d), over rest
         left = stack.reshape(stack.shape[0], -1, stack.shape[-1]).mT
     else:

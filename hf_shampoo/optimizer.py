@@ -22,6 +22,7 @@ from .checkpoint.consolidate import gather_state
 from .config import (
     DEFAULTS,
     GLOBAL_KEYS,
+    is_elongated,
     refuse_unknown_keywords,
     validate_group,
     vector_settings,
@@ -86,6 +87,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         sign_scale: str | None = DEFAULTS["sign_scale"],
         check_finite_gradients: bool = DEFAULTS["check_finite_gradients"],
         vector_preconditioner: str | None = DEFAULTS["vector_preconditioner"],
+        diagonal_aspect: float | None = DEFAULTS["diagonal_aspect"],
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -214,9 +216,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             gi, _, param = refs[index]
             group = self._param_settings(self.param_groups[gi], param)
             name = self.param_name(index)
-            blocking = ParamBlocking.of(self._distributor.blocking_shape(param),
-                                        group["max_preconditioner_dim"],
-                                        kind_of(group).matrix_blocks)
+            shape = self._distributor.blocking_shape(param)
+            blocking = ParamBlocking.of(shape, group["max_preconditioner_dim"],
+                                        kind_of(group).matrix_blocks
+                                        or is_elongated(shape, group))
             blockings[index] = blocking
             single = len(blocking.slices) == 1
             blocks += [

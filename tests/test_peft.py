@@ -53,6 +53,10 @@ def test_trainer_holds_state_for_the_adapters_only(tmp_path):
         else trainer.optimizer
     assert isinstance(optimizer, DistributedShampoo)
     assert state_params(optimizer) == adapters(model)
+    # the presets keep each adapter's long side diagonal: at most 3x AdamW's state
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ours = sum(r["state_bytes"] for r in optimizer.describe_blocks())
+    assert ours <= 3 * 8 * trainable, (ours, 8 * trainable)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert frozen and not any(p in optimizer.state for p in frozen)
 

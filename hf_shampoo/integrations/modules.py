@@ -107,6 +107,11 @@ PRESETS: dict[str, Preset] = {
 }
 # the muon preset's matrices are never cut: one block per matrix, whatever its size
 WHOLE_MATRIX = 2**31 - 1
+# a matrix whose long side is this many times its short side (a LoRA adapter's d × r) keeps
+# the long side's factor diagonal in every preset (diagonal_aspect; an override wins)
+ADAPTER_ASPECT = 16
+# peft's LoRA adapter matrices, by name: their long side is diagonal whatever their aspect
+PEFT_ADAPTERS = (".lora_A.", ".lora_B.")
 
 
 # ---------------------------------------------------------------------- model walk
@@ -239,6 +244,16 @@ def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]
         if len(merged) != info.param.ndim:  # small table merged into one dim: no vocab factor
             return _diagonal(effective)
         return {"inverse_exponent_override": {2: {d: 0 for d in info.vocab_dims}}}
+    shape = info.param.shape
+    if (info.role == "matrix" and len(shape) == 2 and min(shape) > 0
+            and effective["preconditioner"] == "shampoo" and effective["quantization"] is None
+            and effective.get("diagonal_aspect") is None):
+        # an adapter (peft's lora_A / lora_B, any aspect) or an adapter-like matrix (long
+        # side >= 16x the short one): a full factor on the short side only
+        if any(key in info.name for key in PEFT_ADAPTERS):
+            return {"diagonal_aspect": 1.0}
+        if max(shape) >= ADAPTER_ASPECT * min(shape):
+            return {"diagonal_aspect": float(ADAPTER_ASPECT)}
     return {}
 
 

@@ -49,6 +49,8 @@ class Preconditioner:
         zeros elsewhere."""
         if name.startswith(("inverse_root_", "eigenvectors_")) and len(shape) == 2:
             return torch.eye(shape[0], dtype=dtype, device=device).repeat(n, 1, 1)
+        if name.startswith("inverse_root_") and len(shape) == 1:  # a diagonal root
+            return torch.ones((n, *shape), dtype=dtype, device=device)
         return torch.zeros((n, *shape), dtype=dtype, device=device)
 
     def factor_dims(self, stack, group: dict) -> list[int]:

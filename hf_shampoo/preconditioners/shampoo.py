@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .. import linalg
-from ..config import dim_exponents
+from ..config import diagonal_dims, dim_exponents
 from ..kronecker import multi_mode_product
 from ..stages import Scratch
 from . import refresh as common
@@ -30,12 +30,22 @@ class Shampoo(KroneckerFactored):
 
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = super().state_shapes(stack, group)
+        diagonal = self.diagonal_dims(stack, group)
         for j in self.factor_dims(stack, group):
             d = stack.shape[j]
+            if j in diagonal:  # kept as its diagonal: (d,) factor and root
+                shapes[f"factor_matrix_{j}"] = ((d,), group["factor_matrix_dtype"])
+                shapes[f"inverse_root_{j}"] = ((d,), root_dtype(group))
+                continue
             shapes[f"inverse_root_{j}"] = ((d, d), root_dtype(group))
             if self.keeps_basis(group):
                 shapes[f"eigenvectors_{j}"] = ((d, d), group["factor_matrix_dtype"])
         return shapes
+
+    def diagonal_dims(self, stack, group: dict) -> list[int]:
+        """Preconditioned dims kept diagonal (``diagonal_aspect``: a matrix's long side)."""
+        return [j for j in diagonal_dims(stack.shape, group)
+                if j in self.factor_dims(stack, group)]
 
     def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
         """New roots for ``rows``: from ``eigh`` (the first refresh always), or QR from the
@@ -45,7 +55,16 @@ class Shampoo(KroneckerFactored):
         keeps = self.keeps_basis(group)
         use_qr = group["eigendecomposition"] == "qr" and not first
         picked = common.Rows(rows, job.grad.shape[0], job.grad.device)
-        plans = common.plan_dims(job, self.factor_dims(stack, group), picked, workspace)
+        diagonal = self.diagonal_dims(stack, group)
+        full = [j for j in self.factor_dims(stack, group) if j not in diagonal]
+        for plan in common.plan_dims(job, diagonal, picked, workspace):
+            # a diagonal matrix: the entries of A + εI are its eigenvalues, no decomposition
+            lam = linalg.regularized_eigenvalues(plan.matrix + group["epsilon"],
+                                                 group["epsilon"])
+            exponent = dim_exponents(group, stack.order)[plan.dim]
+            root = job.state[f"inverse_root_{plan.dim}"]
+            picked.put(root, plan.todo, lam.pow(-exponent).to(root.dtype))
+        plans = common.plan_dims(job, full, picked, workspace)
         if keeps and not first:
             for plan in plans:
                 common.apply_criterion(job, plan, picked, shift=False)
@@ -92,6 +111,15 @@ class Shampoo(KroneckerFactored):
         the roots' dtype."""
         roots = self.roots(stack, job, scratch)
         dtype = root_dtype(job.group)
+        diagonal = {j: r for j, r in enumerate(roots) if r is not None and r.dim() == 2}
+        if diagonal:  # scale along those dims first (the products commute), then the rest
+            scaled = filtered.to(dtype)
+            for j, root in diagonal.items():
+                view = [root.shape[0]] + [1] * stack.order
+                view[j + 1] = root.shape[1]
+                scaled = scaled * root.view(view)
+            roots = [None if j in diagonal else r for j, r in enumerate(roots)]
+            return out.copy_(multi_mode_product(scaled, roots))
         if filtered.dtype == dtype:
             return multi_mode_product(filtered, roots, out=out, scratch=scratch("scratch"))
         return out.copy_(multi_mode_product(filtered.to(dtype), roots))

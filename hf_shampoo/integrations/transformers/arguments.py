@@ -79,6 +79,7 @@ _OPTIONAL_TYPES = {
     "spectral_lr_adjustment": str,
     "sign_scale": str,
     "vector_preconditioner": str,
+    "diagonal_aspect": float,
 }
 
 

@@ -1,0 +1,107 @@
+"""``diagonal_aspect``: a matrix block whose long side is at least that many times its short
+side (a LoRA adapter's ``d × r``) keeps the long side's factor as its diagonal. Checked
+against a dense float64 formula, for memory, validation and exact resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_shampoo import DistributedShampoo
+from tests.helpers import assert_resumes_exactly, generator
+
+
+def _root(eigenvalues: torch.Tensor, vectors: torch.Tensor | None, epsilon: float, e: float):
+    """The inverse root as docs/design.md §2 defines it, from the eigenvalues of A + εI
+    (shifted when the smallest is below ε)."""
+    smallest = eigenvalues.min()
+    lam = (eigenvalues - smallest) + epsilon if smallest < epsilon else eigenvalues
+    if vectors is None:
+        return lam.pow(-e)  # a diagonal matrix: its entries are its eigenvalues
+    return vectors @ torch.diag(lam.pow(-e)) @ vectors.T
+
+
+def test_the_long_side_is_diagonal_as_the_formula_says():
+    gen = generator(3)
+    d, r, steps, lr, beta2, eps = 24, 3, 5, 0.05, 0.99, 1e-6
+    init = torch.randn(d, r, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(d, r, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    param = torch.nn.Parameter(init.clone())
+    opt = DistributedShampoo([param], lr=lr, betas=(0.0, beta2), epsilon=eps,
+                             precondition_frequency=1, start_preconditioning_step=1,
+                             factor_matrix_dtype=torch.float64, diagonal_aspect=4,
+                             max_preconditioner_dim=24)  # (24, 3) is not merged into (72,)
+    w = init.clone()
+    left, right = torch.zeros(d, dtype=torch.float64), torch.zeros(r, r, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        param.grad = g.clone()
+        opt.step()
+        left = beta2 * left + (1 - beta2) * g.square().sum(dim=1)
+        right = beta2 * right + (1 - beta2) * g.T @ g
+        bc = 1 - beta2**t
+        values, vectors = torch.linalg.eigh(right / bc + eps * torch.eye(r, dtype=torch.float64))
+        p = _root(left / bc + eps, None, eps, 0.25)[:, None] * g @ _root(values, vectors, eps,
+                                                                        0.25)
+        w = w - lr * p
+    torch.testing.assert_close(param.detach(), w, rtol=1e-10, atol=1e-12)
+    state = opt.state_dict()["state"][0]
+    assert state["block_0.factor_matrix_0"].shape == (d,)  # the long side: diagonal
+    assert state["block_0.factor_matrix_1"].shape == (r, r)
+
+
+def test_only_blocks_of_extreme_aspect_get_a_diagonal_side():
+    shapes = {"adapter": (64, 4), "wide adapter": (4, 64), "square": (16, 16), "mild": (32, 8)}
+    params = {k: torch.nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}
+    opt = DistributedShampoo(list(params.items()), lr=0.1, diagonal_aspect=8,
+                             max_preconditioner_dim=64)  # no block is merged into one dim
+    for p in params.values():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.state_dict()["state"]
+    factor_shapes = [tuple(state[i][f"block_0.factor_matrix_{j}"].shape)
+                     for i in range(4) for j in (0, 1)]
+    assert factor_shapes == [(64,), (4, 4), (4, 4), (64,), (16, 16), (16, 16), (32, 32), (8, 8)]
+
+
+def test_an_adapter_holds_at_most_three_times_adamws_state():
+    d, r = 768, 4
+    adapter = torch.nn.Parameter(torch.zeros(d, r))
+    opt = DistributedShampoo([adapter], lr=1e-3, grafting="adam", betas=(0.9, 0.999),
+                             diagonal_aspect=16)
+    ours = sum(row["state_bytes"] for row in opt.describe_blocks())
+    adamw = 2 * 4 * d * r
+    assert ours <= 3 * adamw, (ours, adamw)
+    full = DistributedShampoo([adapter], lr=1e-3, grafting="adam", betas=(0.9, 0.999))
+    assert sum(row["state_bytes"] for row in full.describe_blocks()) > 50 * adamw
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"diagonal_aspect": 0.5}, "invalid diagonal_aspect=0.5; expected a finite real number >= 1.0"),
+    ({"diagonal_aspect": 8, "preconditioner": "eigenvalue_corrected"},
+     "a diagonal long side exists for preconditioner='shampoo' without quantization"),
+    ({"diagonal_aspect": 8, "quantization": "4bit"},
+     "a diagonal long side exists for preconditioner='shampoo' without quantization"),
+])
+def test_invalid_settings_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DistributedShampoo([torch.nn.Parameter(torch.zeros(8, 2))], **kw)
+
+
+def test_resumes_exactly():
+    def make_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(40, 2, bias=False), torch.nn.Tanh(),
+                                   torch.nn.Linear(2, 40, bias=False))
+
+    def train(model, opt, steps, seed):
+        gen = generator(seed)
+        for _ in range(steps):
+            x = torch.randn(8, 40, generator=gen)
+            opt.zero_grad()
+            (model(x) - x).square().mean().backward()
+            opt.step()
+
+    assert_resumes_exactly(
+        make_model, lambda m: DistributedShampoo(m.parameters(), lr=0.01, grafting="adam",
+                                                 precondition_frequency=2, diagonal_aspect=8),
+        train)
