@@ -52,6 +52,9 @@ SCENARIOS: dict[str, dict] = {
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
     # Muon: spectral descent on the matrices (blocks of 16), Adam on vectors and scalars
+    # blocks whose long side is >= 2x the short one keep it diagonal (LoRA-style)
+    "diagonal_long_side": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                               max_preconditioner_dim=16, diagonal_aspect=2.0),
     "muon": dict(lr=0.01, preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.9025,
                  use_bias_correction=False, weight_decay=0.01,
                  spectral_lr_adjustment="match_rms_adamw", max_preconditioner_dim=16,
