@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
+from hf_shampoo.integrations.modules import describe_rows
 from tests.helpers import assert_resumes_exactly, generator
 
 
@@ -61,6 +62,9 @@ def test_only_blocks_of_extreme_aspect_get_a_diagonal_side():
     factor_shapes = [tuple(state[i][f"block_0.factor_matrix_{j}"].shape)
                      for i in range(4) for j in (0, 1)]
     assert factor_shapes == [(64,), (4, 4), (4, 4), (64,), (16, 16), (16, 16), (32, 32), (8, 8)]
+    labels = [row["preconditioner"] for row in describe_rows(opt)]
+    assert labels == ["shampoo (dim 0 diagonal)", "shampoo (dim 1 diagonal)", "shampoo",
+                      "shampoo"]
 
 
 def test_an_adapter_holds_at_most_three_times_adamws_state():

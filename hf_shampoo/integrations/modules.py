@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..blocking import merged_shape
-from ..config import DEFAULTS, GLOBAL_KEYS, validate_group
+from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, validate_group
 from ..optimizer import DistributedShampoo
 
 # Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
@@ -366,13 +366,15 @@ def make_optimizer(
 
 
 # ---------------------------------------------------------------------- describe
-def _preconditioner_label(group: Mapping[str, Any], order: int) -> str:
+def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...]) -> str:
     kind = group["preconditioner"]
-    override = (group.get("inverse_exponent_override") or {}).get(order)
+    override = (group.get("inverse_exponent_override") or {}).get(len(shape))
     if kind != "diagonal" and isinstance(override, dict):
         off = [str(d) for d, e in sorted(override.items()) if e == 0]
         if off:
             kind += f" (dim {','.join(off)} off)"
+    if kind == "shampoo" and (diagonal := diagonal_dims(tuple(shape), group)):
+        kind += f" (dim {diagonal[0]} diagonal)"
     return kind
 
 
@@ -408,7 +410,7 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
                 "block_shapes": [],
                 "ranks": set(),
                 "preconditioner": _preconditioner_label(
-                    {**group, "preconditioner": block["preconditioner"]}, len(block["shape"])),
+                    {**group, "preconditioner": block["preconditioner"]}, block["shape"]),
                 "grafting": block["grafting"] or "-",
                 "weight_decay": group["weight_decay"],
             },
