@@ -491,7 +491,7 @@ def test_cheap_command_runs(where, command):
     elif PYTHON_WORD.match(words[0]):
         words = [sys.executable, *words[1:]]
     result = subprocess.run(words, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=300)
     assert result.returncode == 0, f"{where}: {command}\n{result.stdout[-2000:]}\n" \
                                    f"{result.stderr[-4000:]}"
     for expected in RUN_COMMANDS[where, command]:
@@ -538,7 +538,7 @@ def test_python_blocks_run(path, tmp_path, fork_server):
     work = tmp_path / "work"
     work.mkdir()
     code, output = fork_server(PYTHON_DRIVER, ["<docs driver>", str(tmp_path / "blocks.json")],
-                               cwd=work, timeout=90)
+                               cwd=work, timeout=300)
     assert code == 0, f"{rel(path)} failed:\n{output[-8000:]}"
 
 
@@ -552,7 +552,7 @@ def test_launcher_scripts_run(block, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          nproc, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True,
-        text=True, timeout=120)
+        text=True, timeout=300)
     assert result.returncode == 0, f"{block.where} failed:\n{result.stdout[-3000:]}\n" \
                                    f"{result.stderr[-6000:]}"
 
