@@ -248,7 +248,8 @@ def validate_group(group: dict[str, Any]) -> None:
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
-            _fail("lr", lr, "expected a finite real number >= 0 or a one-element tensor")
+            _fail("lr", lr, "Tensor lr must be 1-element: expected a finite real number >= 0 "
+                  "or a one-element tensor")
     else:
         _check_real("lr", lr, 0.0, math.inf)
     betas = group["betas"]

@@ -361,6 +361,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._state_dict()
+        state_dict["state"].update(self.state.foreign)  # keys that are not parameters
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -420,10 +421,18 @@ class DistributedShampoo(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        foreign = {}
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            # keys that are not parameter indices go back into optimizer.state, as in torch
+            foreign = {k: v for k, v in state_dict["state"].items() if isinstance(k, str)}
+            if foreign:
+                state_dict = {**state_dict, "state": {k: v for k, v in state_dict["state"].items()
+                                                      if k not in foreign}}
         layout = self._ensure_layout(also=_saved_param_indices(state_dict,
                                                                len(self._all_params())))
         checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world(),
                           self._key_prefix(), layout.blockings)
+        self.state.foreign.update(foreign)
         self._consolidated = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -7,13 +7,15 @@ rank to an entry ``{"block_{b}.{name}": view}``: the same names as ``state_dict(
 view of the block's row of the stacked tensor (reading it reads the state; writing into it
 in place, or assigning a tensor to a key, which copies it in, changes the state). Other
 keys that tools store under a parameter (timm's Lookahead) are kept, as torch keeps them,
-and are not part of ``state_dict()``. The view is computed on access, so it is never
-stale. The state lives on the parameters' device and follows them at the next ``step()``.
+and are not part of ``state_dict()``; keys that are not parameters (hooks' flags) are
+saved in ``state_dict()["state"]`` and restored by ``load_state_dict``, as torch does. The
+view is computed on access, so it is never stale. The state lives on the parameters' device
+and follows them at the next ``step()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 from torch import Tensor
@@ -52,13 +54,25 @@ class StateEntry(dict):
             self[key] = value
 
 
-class StateView(Mapping):
+class StateView(MutableMapping):
     """Parameter → ``StateEntry``: the state of its blocks that this rank holds (see the
     module), and what other code stored under the parameter."""
 
     def __init__(self, optimizer: Any) -> None:
         self._optimizer = optimizer
         self._extra: dict[int, tuple[Tensor, dict[str, Any]]] = {}
+        # keys that are not parameters (torch's optimizer.state takes any key: hooks store
+        # flags there); state_dict() saves them in "state" and load_state_dict() restores them
+        self.foreign: dict[Any, Any] = {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(key, Tensor):
+            raise TypeError("optimizer.state[param] is a view of the optimizer's state: "
+                            "assign to its entries (optimizer.state[param][key] = tensor)")
+        self.foreign[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self.foreign[key]
 
     def _stacked(self) -> dict[int, tuple[Tensor, dict[str, Tensor]]]:
         layout = getattr(self._optimizer, "_layout", None)
@@ -81,19 +95,24 @@ class StateView(Mapping):
 
     def __getitem__(self, param: Tensor) -> StateEntry:
         """The parameter's entry; for a parameter without state here an empty one, which
-        keeps what is stored in it (as torch's ``defaultdict``)."""
+        keeps what is stored in it (as torch's ``defaultdict``). Any other key: what was
+        stored under it."""
+        if not isinstance(param, Tensor):
+            return self.foreign[param]
         found = self._stacked().get(id(param))
         _, extra = self._extra.setdefault(id(param), (param, {}))
         return StateEntry(found[1] if found is not None else {}, extra)
 
     def __contains__(self, param: object) -> bool:
+        if not isinstance(param, Tensor):
+            return param in self.foreign
         return id(param) in self._params()
 
-    def __iter__(self) -> Iterator[Tensor]:
-        return iter(list(self._params().values()))
+    def __iter__(self) -> Iterator[Any]:
+        return iter([*self._params().values(), *self.foreign])
 
     def __len__(self) -> int:
-        return len(self._params())
+        return len(self._params()) + len(self.foreign)
 
     def __bool__(self) -> bool:
         # Never falsy: torch.distributed.checkpoint.state_dict takes an empty

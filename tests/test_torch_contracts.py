@@ -216,3 +216,19 @@ def test_timm_lookahead_around_shampoo_keeps_its_slow_weights():
     base = opt._base_optimizer
     assert all("lookahead_slow_buff" in base.state[p] for p in model.parameters())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_keys_that_are_not_parameters_live_in_optimizer_state_as_in_torch():
+    """torch's hook tests store flags in ``optimizer.state``: they appear in
+    ``state_dict()["state"]`` and come back into ``optimizer.state`` on load."""
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    _train(model, opt, 1, seed=0)
+    opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("test", 1))
+    saved = opt.state_dict()
+    assert saved["state"]["test"] == 1 and opt.state["test"] == 1 and "test" in opt.state
+    other = DistributedShampoo(model.parameters(), **CONFIG)
+    other.load_state_dict(saved)
+    assert other.state["test"] == 1
+    with pytest.raises(TypeError, match="view of the optimizer's state"):
+        opt.state[next(model.parameters())] = {}

@@ -45,8 +45,9 @@ def optim_inputs(device="cpu", dtype=None):
 
 
 def optim_error_inputs(device="cpu", dtype=torch.float32):
+    """torch's construction errors that every torch optimizer raises, then ours."""
     param = torch.nn.Parameter(torch.ones(3, 2, device=device, dtype=dtype))
-    return [
+    return common.get_error_inputs_for_all_optims(device, dtype) + [
         ErrorOptimizerInput(OptimizerInput(params=[param], kwargs={"lr": -1.0}),
                             error_type=ValueError, error_regex="invalid lr=-1.0"),
         ErrorOptimizerInput(OptimizerInput(params=[param], kwargs={"betas": (0.9, 1.5)}),
@@ -90,12 +91,21 @@ def _kwargs(optim_input):
 
 
 @pytest.mark.parametrize("error_input", SHAMPOO_INFO.optim_error_inputs_func(),
-                         ids=lambda e: e.error_regex)
+                         ids=lambda e: e.error_regex[:40])
 def test_errors(error_input):
-    assert error_input.error_on == OptimizerErrorEnum.CONSTRUCTION_ERROR
+    """As torch's generic test: the declared error (or warning) at construction or step."""
     optim_input = error_input.optimizer_error_input
-    with pytest.raises(error_input.error_type, match=error_input.error_regex):
-        DistributedShampoo(optim_input.params, **optim_input.kwargs)
+    params = optim_input.params
+    if params is None:
+        params = [torch.nn.Parameter(torch.ones(3, 2))]
+    expect = pytest.warns if issubclass(error_input.error_type, Warning) else pytest.raises
+    if error_input.error_on == OptimizerErrorEnum.CONSTRUCTION_ERROR:
+        with expect(error_input.error_type, match=error_input.error_regex):
+            DistributedShampoo(params, **optim_input.kwargs)
+    else:
+        optimizer = DistributedShampoo(params, **optim_input.kwargs)
+        with expect(error_input.error_type, match=error_input.error_regex):
+            optimizer.step()
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
