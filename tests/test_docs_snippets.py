@@ -542,6 +542,9 @@ def test_python_blocks_run(path, tmp_path, fork_server):
     assert code == 0, f"{rel(path)} failed:\n{output[-8000:]}"
 
 
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.slow  # two processes under torchrun: 14-17 s on two busy cores
 @pytest.mark.parametrize("block", LAUNCHER_BLOCKS, ids=[b.where for b in LAUNCHER_BLOCKS])
 def test_launcher_scripts_run(block, tmp_path):
@@ -549,10 +552,15 @@ def test_launcher_scripts_run(block, tmp_path):
     nproc = TORCHRUN_MARK.match(block.code.split("\n", 1)[0]).group(1)
     script = tmp_path / "snippet.py"
     script.write_text("\n" * (block.line - 1) + block.code)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         nproc, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True,
-        text=True, timeout=300)
+    for attempt in range(2):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             nproc, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+            text=True, timeout=300)
+        # torch's gloo teardown on CPU aborts a process now and then (about 1 run in 8 of the
+        # FSDP2 blocks, at every revision tried): that one signature is run once more
+        if result.returncode == 0 or GLOO_TEARDOWN_ABORT not in result.stderr:
+            break
     assert result.returncode == 0, f"{block.where} failed:\n{result.stdout[-3000:]}\n" \
                                    f"{result.stderr[-6000:]}"
 
