@@ -552,7 +552,7 @@ def test_launcher_scripts_run(block, tmp_path):
     nproc = TORCHRUN_MARK.match(block.code.split("\n", 1)[0]).group(1)
     script = tmp_path / "snippet.py"
     script.write_text("\n" * (block.line - 1) + block.code)
-    for attempt in range(2):
+    for _attempt in range(2):
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
              nproc, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True,
