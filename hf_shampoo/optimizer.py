@@ -423,8 +423,12 @@ class DistributedShampoo(torch.optim.Optimizer):
                 state_dict = result
         foreign = {}
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
-            # keys that are not parameter indices go back into optimizer.state, as in torch
-            foreign = {k: v for k, v in state_dict["state"].items() if isinstance(k, str)}
+            # keys that name no saved parameter go back into optimizer.state, as in torch;
+            # saved parameters may be named by index or by anything else (torch's
+            # distributed state-dict helpers list fully qualified names)
+            listed = _saved_param_ids(state_dict)
+            foreign = {k: v for k, v in state_dict["state"].items()
+                       if isinstance(k, str) and k not in listed}
             if foreign:
                 state_dict = {**state_dict, "state": {k: v for k, v in state_dict["state"].items()
                                                       if k not in foreign}}
@@ -490,6 +494,15 @@ class DistributedShampoo(torch.optim.Optimizer):
                       "grafting": settings["grafting"]}
                      for i, b in enumerate(s.members)]
         return rows
+
+
+def _saved_param_ids(state_dict: dict) -> set:
+    """Every id the saved groups list for their parameters (empty for a malformed state,
+    which ``unpack`` then refuses)."""
+    try:
+        return {pid for group in state_dict["param_groups"] for pid in group["params"]}
+    except (KeyError, TypeError):
+        return set()
 
 
 def _saved_param_indices(state_dict: Any, count: int) -> set[int]:

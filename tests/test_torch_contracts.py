@@ -232,3 +232,36 @@ def test_keys_that_are_not_parameters_live_in_optimizer_state_as_in_torch():
     assert other.state["test"] == 1
     with pytest.raises(TypeError, match="view of the optimizer's state"):
         opt.state[next(model.parameters())] = {}
+
+
+def test_a_state_that_names_its_parameters_loads_completely():
+    """torch.optim.Optimizer.load_state_dict maps whatever ids the saved groups list
+    (torch's distributed state-dict helpers list fully qualified names, not indices):
+    such a state loads completely and the run continues exactly, while a string key that
+    names no saved parameter still goes into ``optimizer.state``."""
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    _train(model, opt, 4, seed=0)
+    saved = opt.state_dict()
+    names = [name for name, _ in model.named_parameters()]
+    by_index = dict(enumerate(names))
+    named = {
+        "state": {by_index[k]: v for k, v in saved["state"].items()},
+        "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]}
+                         for g in saved["param_groups"]],
+    }
+    named["state"]["flag"] = 7
+    reference_model = copy.deepcopy(model)
+    reference = DistributedShampoo(reference_model.parameters(), **CONFIG)
+    reference.load_state_dict(saved)
+    loaded_model = copy.deepcopy(model)
+    loaded = DistributedShampoo(loaded_model.parameters(), **CONFIG)
+    loaded.load_state_dict(named)
+    assert loaded.state["flag"] == 7
+    for p, q in zip(reference_model.parameters(), loaded_model.parameters()):
+        for key, value in reference.state[p].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(loaded.state[q][key])), key
+    _train(reference_model, reference, 4, seed=1)
+    _train(loaded_model, loaded, 4, seed=1)
+    for p, q in zip(reference_model.parameters(), loaded_model.parameters()):
+        assert torch.equal(p, q)
