@@ -11,11 +11,18 @@ by name or a ``save_to_disk`` directory instead):
   scikit-learn's digits upsampled to 16×16; test accuracy and loss.
 - ``gpt2``: a 2-layer, 128-wide byte-level GPT-2 on Python's standard-library sources;
   validation loss.
+- ``lora``: a LoRA fine-tune (peft, rank 4 on ``c_attn``/``c_proj``, base weights frozen)
+  of that GPT-2, first trained with AdamW on the sources (``--lora-base-steps``, the same
+  base for every run), on the standard library's docstrings (prose where the sources are
+  code); validation loss on held-out modules' docstrings and the optimizer state (MiB).
 
 Optimizers: AdamW, SGD with Nesterov momentum (ResNet only), Shampoo with Adam grafting,
 eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo, and on GPT-2 Muon twice:
 ours (``make_optimizer(model, preset="muon")``) and torch.optim.Muon on the hidden matrices
-with AdamW on the rest, as users combine them by hand. Every run uses a linear
+with AdamW on the rest, as users combine them by hand; on LoRA: AdamW, Shampoo on
+``model.parameters()`` (full factors on both sides of each adapter), Shampoo by
+``make_optimizer`` (the presets' adapter rule: the long side diagonal) and SOAP. Every run
+uses a linear
 warm-up over the first 5 % of steps and a cosine decay to zero. The learning rate of each
 optimizer is the value with the lowest mean training loss over the last 20 % of steps
 (seed 0) among a grid (1e-3, 3e-3, 1e-2; SGD 0.03, 0.1, 0.3) extended along the 1-3-10
@@ -52,7 +59,16 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import hardware  # noqa: E402
-from tasks import CONTEXT, image_dataset, make_gpt2, make_resnet, text_tokens, windows_of  # noqa: E402
+from tasks import (  # noqa: E402
+    CONTEXT,
+    docstring_tokens,
+    image_dataset,
+    make_gpt2,
+    make_lora,
+    make_resnet,
+    text_tokens,
+    windows_of,
+)
 
 from hf_shampoo import DistributedShampoo  # noqa: E402
 from hf_shampoo.integrations.modules import make_optimizer  # noqa: E402
@@ -79,6 +95,8 @@ class Optimizer:
         params = model.parameters()
         if self.kind == "muon":  # ours: the module preset picks Muon or Adam per parameter
             return make_optimizer(model, preset="muon", lr=lr, **self.keywords)
+        if self.kind == "shampoo_modules":  # the module rules (as the Trainer's path)
+            return make_optimizer(model, lr=lr, **self.keywords)
         if self.kind == "torch_muon":
             return torch_muon_and_adamw(model, lr)
         if self.kind == "adamw":
@@ -89,10 +107,14 @@ class Optimizer:
 
 
 OPTIMIZERS = {
-    "AdamW": Optimizer("adamw"),
+    "AdamW": Optimizer("adamw", tasks=("resnet", "gpt2", "lora")),
     "SGD + Nesterov": Optimizer("sgd", lrs=(0.03, 0.1, 0.3), tasks=("resnet",)),
-    "Shampoo (Adam grafting)": Optimizer("shampoo", SHAMPOO),
-    "SOAP (eigenvalue-corrected)": Optimizer("shampoo", SOAP),
+    "Shampoo (Adam grafting)": Optimizer("shampoo", SHAMPOO, tasks=("resnet", "gpt2", "lora")),
+    # LoRA through the module rules, as the Trainer and make_optimizer build it: each
+    # adapter's long side (d of d x r) gets a diagonal factor, the short side a full one
+    "Shampoo (Adam grafting, module rules)": Optimizer("shampoo_modules", SHAMPOO,
+                                                       tasks=("lora",)),
+    "SOAP (eigenvalue-corrected)": Optimizer("shampoo", SOAP, tasks=("resnet", "gpt2", "lora")),
     "KL-Shampoo (Adam grafting)": Optimizer("shampoo", dict(SHAMPOO, preconditioner="kl_shampoo")),
     "4-bit Shampoo (statistics every 2)": Optimizer(
         "shampoo", dict(SHAMPOO, quantization="4bit", statistics_frequency=2)),
@@ -169,6 +191,7 @@ class Task:
     loss: Callable[[nn.Module, object], torch.Tensor]
     evaluate: Callable[[nn.Module], dict[str, float]]
     metric: str  # the evaluation entry shown first
+    measure_state: bool = False  # also report the optimizer state's size (MiB)
 
 
 def resnet_task(args) -> Task:
@@ -222,6 +245,67 @@ def gpt2_task(args) -> Task:
                 "val loss")
 
 
+def lora_task(args) -> Task:
+    base = lora_base(args.gpt2_width, args.lora_base_steps, args.text_batch_size)
+    train_tokens, val_tokens = docstring_tokens()
+    val_starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, args.val_windows).long()
+    val_batch = windows_of(val_tokens, val_starts)
+
+    def batches(seed: int, steps: int) -> list:
+        g = torch.Generator().manual_seed(seed + 1)
+        return [torch.randint(0, len(train_tokens) - CONTEXT, (args.text_batch_size,),
+                              generator=g) for _ in range(steps)]
+
+    def loss(model, starts):
+        batch = windows_of(train_tokens, starts)
+        return model(input_ids=batch, labels=batch).loss
+
+    def evaluate(model) -> dict[str, float]:
+        with torch.no_grad():
+            return {"val loss": model(input_ids=val_batch, labels=val_batch).loss.item()}
+
+    sample = make_lora(base, 0)
+    trainable = sum(p.numel() for p in sample.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in sample.parameters())
+    before = evaluate(sample)["val loss"]
+    return Task("lora", f"LoRA (rank 4 on c_attn/c_proj, {trainable / 1e3:.0f}k trainable of "
+                f"{total / 1e3:.0f}k) fine-tune on the standard library's docstrings of a "
+                f"GPT-2 (2 layers, {args.gpt2_width} wide) trained {args.lora_base_steps} "
+                f"steps with AdamW on its sources (val loss before: {before:.3f}), batch "
+                f"{args.text_batch_size}", lambda seed: make_lora(base, seed), batches, loss,
+                evaluate, "val loss", measure_state=True)
+
+
+def lora_base(width: int, steps: int, batch_size: int) -> nn.Module:
+    """The GPT-2 that every LoRA run starts from: AdamW (lr 3e-3, warm-up and cosine)
+    on the standard-library sources, seed 0."""
+    model = make_gpt2(0, n_embd=width)
+    tokens, _ = text_tokens(None)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
+    g = torch.Generator().manual_seed(12345)
+    for _ in range(steps):
+        batch = windows_of(tokens, torch.randint(0, len(tokens) - CONTEXT, (batch_size,),
+                                                 generator=g))
+        opt.zero_grad()
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        schedule.step()
+    return model
+
+
+def state_mib(opt: torch.optim.Optimizer) -> float:
+    """The optimizer state's size: for ours every block's state tensors (``describe_blocks``),
+    for torch's the tensors in ``optimizer.state`` (step counters left out)."""
+    if isinstance(opt, DistributedShampoo):
+        return sum(r["state_bytes"] for r in opt.describe_blocks()) / 2**20
+    total = 0
+    for inner in getattr(opt, "optimizers", (opt,)):
+        total += sum(t.numel() * t.element_size() for entry in inner.state.values()
+                     for t in entry.values() if torch.is_tensor(t) and t.dim() > 0)
+    return total / 2**20
+
+
 # --------------------------------------------------------------------------- training
 def warmup_cosine(steps: int) -> Callable[[int], float]:
     warmup = max(1, steps // 20)
@@ -254,8 +338,11 @@ def train(task: Task, optimizer: Optimizer, lr: float, seed: int, steps: int) ->
         schedule.step()
         losses.append(value)
         seconds.append(time.process_time() - start)
-    return dict(lr=lr, seed=seed, losses=losses, seconds=seconds,
-                metrics=task.evaluate(model), diverged=False)
+    metrics = task.evaluate(model)
+    if task.measure_state:
+        metrics["optimizer state MiB"] = state_mib(opt)
+    return dict(lr=lr, seed=seed, losses=losses, seconds=seconds, metrics=metrics,
+                diverged=False)
 
 
 def tail_loss(run: dict, steps: int) -> float:
@@ -582,7 +669,7 @@ def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
 def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=["resnet", "gpt2"],
-                        choices=["resnet", "gpt2"])
+                        choices=["resnet", "gpt2", "lora"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--ablation-seeds", type=int, default=3)
@@ -602,6 +689,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--text-batch-size", type=int, default=16, help="GPT-2 batch")
     parser.add_argument("--image-size", type=int, default=16)
     parser.add_argument("--gpt2-width", type=int, default=128, help="GPT-2's n_embd")
+    parser.add_argument("--lora-base-steps", type=int, default=400,
+                        help="AdamW steps that train the LoRA task's base GPT-2")
     parser.add_argument("--val-windows", type=int, default=128)
     parser.add_argument("--image-dataset", default=None,
                         help="Hugging Face dataset (name or save_to_disk directory) with "
@@ -639,7 +728,7 @@ def parse(argv=None) -> argparse.Namespace:
         args.steps, args.seeds, args.ablation_seeds, args.lr_points = 20, 2, 1, 2
         args.max_lr_points = 2
         args.batch_size, args.text_batch_size, args.val_windows = 16, 4, 16
-        args.gpt2_width = 64
+        args.gpt2_width, args.lora_base_steps = 64, 20
     if args.out is None:
         args.out = os.path.join("outputs", "ablation-smoke" if args.smoke else "ablation")
     return args
@@ -656,7 +745,7 @@ def main(argv=None) -> None:
         header = (f"`{shlex.join(['python', *sys.argv])}`; {hardware()}; time is CPU time "
                   f"of the one-thread process")
         records = []
-        builders = {"resnet": resnet_task, "gpt2": gpt2_task}
+        builders = {"resnet": resnet_task, "gpt2": gpt2_task, "lora": lora_task}
         for name in args.tasks:
             records.append(run_task(builders[name](args), args))
         records = compact(records)  # the tables are those of the saved JSON

@@ -6,10 +6,15 @@ alternative) and their models, built from a seed.
   timm ResNet (BasicBlocks, one per stage).
 - ``text``: the bytes of Python's own standard-library sources for a byte-level GPT-2
   (transformers' ``GPT2LMHeadModel`` from a small config).
+- ``docstrings``: the docstrings of the same modules (English prose, where the sources are
+  mostly code), the fine-tuning data of the LoRA task; ``make_lora`` puts peft's LoRA
+  adapters on a copy of a trained GPT-2.
 """
 
 from __future__ import annotations
 
+import ast
+import copy
 import functools
 import os
 import pathlib
@@ -101,7 +106,7 @@ def text_tokens(name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     name or saved directory with a ``text`` column (its ``validation``/``test`` split, else
     the last 10 % of ``train``, for validation), documents joined by newlines."""
     if name is None:
-        files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        files = _stdlib_modules()
         train = b"".join(path.read_bytes() for path in files[:150])
         val = b"".join(path.read_bytes() for path in files[150:180])
     else:
@@ -111,6 +116,44 @@ def text_tokens(name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         val = "\n".join(val_split[key]).encode()
     as_tensor = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # noqa: E731
     return as_tensor(train), as_tensor(val)
+
+
+def _stdlib_modules() -> list[pathlib.Path]:
+    return sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _docstrings(path: pathlib.Path) -> bytes:
+    """The module's, classes' and functions' docstrings of one source file, in order."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+        return b""
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(
+        n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    texts = [ast.get_docstring(n) for n in nodes]
+    return "".join(t + "\n\n" for t in texts if t).encode()
+
+
+def docstring_tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train bytes, validation bytes) of the standard library's docstrings: the modules
+    that ``text_tokens`` trains on, then the ones it validates on."""
+    files = _stdlib_modules()
+    train = b"".join(_docstrings(path) for path in files[:150])
+    val = b"".join(_docstrings(path) for path in files[150:180])
+    as_tensor = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # noqa: E731
+    return as_tensor(train), as_tensor(val)
+
+
+def make_lora(base: nn.Module, seed: int, r: int = 4) -> nn.Module:
+    """A copy of ``base`` with peft's LoRA adapters (rank ``r``, alpha ``2r``) on GPT-2's
+    attention and projection matrices (``c_attn``, ``c_proj``); the adapters' random
+    half is drawn from ``seed``, the base weights are frozen."""
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["c_attn", "c_proj"],
+                             fan_in_fan_out=True, lora_dropout=0.0)
+    return peft.get_peft_model(copy.deepcopy(base), config)
 
 
 def make_gpt2(seed: int, n_layer: int = 2, n_embd: int = 128) -> nn.Module:

@@ -122,3 +122,31 @@ def test_hugging_face_datasets_from_disk_match_the_bundled_data(tmp_path):
 
     with pytest.raises(ValueError, match="columns"):
         tasks.text_tokens(str(tmp_path / "images"))
+
+
+def test_lora_task_fine_tunes_adapters_with_each_optimizers_state_measured(tmp_path):
+    """The LoRA task: every optimizer starts from the same trained base and adapters (one
+    first loss), trains only the adapters, and reports its state; by the module rules
+    Shampoo's state is at most 3x AdamW's, on model.parameters() it is much larger."""
+    out = tmp_path / "lora"
+    stdout = run_script("--tasks", "lora", "--steps", "4", "--lora-base-steps", "3",
+                        "--seeds", "1", "--lr-points", "1", "--max-lr-points", "1",
+                        "--text-batch-size", "2", "--val-windows", "4", "--gpt2-width", "32",
+                        "--out", str(out))
+    record = json.loads((out / "ablation.json").read_text())["records"][0]
+    assert record["task"] == "lora"
+    assert list(record["runs"]) == [n for n, o in ablation.OPTIMIZERS.items()
+                                    if "lora" in o.tasks and o.default]
+    runs = {name: runs[0] for name, runs in record["runs"].items()}
+    assert len({run["losses"][0] for run in runs.values()}) == 1
+    state = {name: run["metrics"]["optimizer state MiB"] for name, run in runs.items()}
+    assert 0 < state["AdamW"] and state["Shampoo (Adam grafting, module rules)"] <= 3 * state[
+        "AdamW"] < state["Shampoo (Adam grafting)"]
+    assert "trained 3 steps with AdamW" in stdout and "| optimizer state MiB |" in stdout
+
+
+def test_docstrings_are_prose_from_the_same_modules():
+    train, val = tasks.docstring_tokens()
+    text = bytes(train[:20000].byte().tolist()).decode()
+    assert len(train) > 100_000 and len(val) > 10_000
+    assert "def " not in text.split("\n\n")[0] and text.count(" the ") > 50
