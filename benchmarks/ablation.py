@@ -31,7 +31,7 @@ play no part in the choice.
 
 Ablations (Shampoo, its swept learning rate): ``precondition_frequency`` 1 / 10 / 100,
 grafting (Adam, RMSprop, SGD, none), ``max_preconditioner_dim`` 32 / 128 / 512,
-eigenvalue correction on, the staggered refresh schedule.
+eigenvalue correction on, the staggered refresh schedule, pseudo-inverse roots.
 
 Time is the process's CPU time with one thread (``time.process_time``), which equals the
 wall-clock time on an idle core and is not inflated by other work on the machine.
@@ -177,6 +177,9 @@ ABLATIONS = {
     # ε as SOAP's: the correction divides by √D + ε, where Shampoo's 1e-12 is too small
     "eigenvalue correction on (ε 1e-8)": dict(preconditioner="eigenvalue_corrected", epsilon=1e-8),
     "staggered refresh": dict(refresh_schedule="staggered"),
+    # rank-deficient factors by the pseudo-inverse at the rounding floor (timm's default)
+    "pseudo-inverse roots (rank_rtol None)": dict(rank_deficient="pseudo_inverse", epsilon=0.0,
+                                                  rank_rtol=None),
 }
 
 
@@ -586,10 +589,10 @@ def plot_ablations(record: dict, out_dir: str, draw, by_step, width: int) -> lis
     if not record["ablations"]:
         return []
     panels: dict[str, list[str]] = {f: [] for f in FAMILIES}
-    panels["eigenvalue correction, refresh schedule"] = []
+    panels["eigenvalue correction, refresh schedule, roots"] = []
     for name in record["ablations"]:
         family = next((f for f in FAMILIES if name.startswith(f)), None)
-        panels[family or "eigenvalue correction, refresh schedule"].append(name)
+        panels[family or "eigenvalue correction, refresh schedule, roots"].append(name)
     panels = {k: v for k, v in panels.items() if v}
     base = record["runs"].get(BASE, [])
     start = max((r["losses"][0] for runs in record["ablations"].values() for r in runs

@@ -121,8 +121,39 @@ def cases(m) -> list[Case]:
                     lambda: _common(grafting_config=grafting("adam"),
                                     preconditioner_config=shampoo_cfg(
                                         inverse_exponent_override={2: {0: 0.0}, 1: 0.3}))))
-    return out + corrected_cases(m, grafting, ours_grafting) + descent_cases(
-        m, grafting, ours_grafting)
+    return out + pseudo_inverse_cases(m, grafting, ours_grafting) + corrected_cases(
+        m, grafting, ours_grafting) + descent_cases(m, grafting, ours_grafting)
+
+
+def pseudo_inverse_cases(m, grafting, ours_grafting) -> list[Case]:
+    """``rank_deficient="pseudo_inverse"`` (Meta's ``PseudoInverseConfig`` in its
+    ``EigenConfig``), on purpose while the factors are rank-deficient: preconditioning from
+    step 3, when a 16 x 16 factor has seen 3 gradients. The cutoffs drop the null space's
+    rounding noise (``rank_rtol=None``: d * eps; or an absolute one), which would otherwise
+    be inverted (Meta's default ``rank_rtol=0``, an exact zero only) and differ at O(1)
+    between two correct implementations."""
+    if not hasattr(m, "PseudoInverseConfig"):
+        return []
+    early = dict(epsilon=0.0, start_preconditioning_step=3)
+    out = []
+    for name, atol, rtol in (("rtol_eps", 0.0, None), ("atol", 1e-6, 0.0),
+                             ("rtol", 0.0, 1e-9)):
+        for kind, config in (("shampoo", "RootInvShampooPreconditionerConfig"),
+                             ("kl_shampoo", "RootInvKLShampooPreconditionerConfig")):
+            if not hasattr(m, config):
+                continue
+            out.append(Case(
+                f"{kind}_pseudo_inverse_{name}",
+                _common(preconditioner=kind, rank_deficient="pseudo_inverse", rank_atol=atol,
+                        rank_rtol=rtol, **early, **ours_grafting("adam")),
+                lambda atol=atol, rtol=rtol, config=config: _common(
+                    **early, grafting_config=grafting("adam"),
+                    preconditioner_config=getattr(m, config)(
+                        factor_matrix_dtype=F64, inv_factor_matrix_dtype=F64,
+                        amortized_computation_config=m.EigenConfig(
+                            rank_deficient_stability_config=m.PseudoInverseConfig(
+                                rank_atol=atol, rank_rtol=rtol))))))
+    return out
 
 
 # spectral descent takes matrices: Meta blocks >2-D parameters by merging dims up to

@@ -57,6 +57,9 @@ DEFAULTS: dict[str, Any] = {
     "check_finite_gradients": True,
     "vector_preconditioner": None,
     "diagonal_aspect": None,
+    "rank_deficient": "perturbation",
+    "rank_atol": 0.0,
+    "rank_rtol": 0.0,
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -82,6 +85,11 @@ SPECTRAL_LR_ADJUSTMENTS = (None, "original", "match_rms_adamw", "spectral_unclam
 SIGN_SCALES = (None, "l1")
 # kinds whose preconditioner is a product of per-dim inverse roots (docs/design.md §2)
 ROOT_INVERSE_KINDS = ("shampoo", "kl_shampoo")
+# How the inverse roots of rank-deficient factors are made finite (Meta's
+# RankDeficientStabilityConfig): "perturbation" = (A + εI)^(-e), eigenvalues below ε lifted
+# to ε; "pseudo_inverse" = eigenvalues at or below max(rank_rtol * λ_max, rank_atol) give 0
+# (epsilon must be 0; rank_rtol=None: d * eps of the factors' dtype).
+RANK_DEFICIENT_MODES = ("perturbation", "pseudo_inverse")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
 # Eigenvalue-corrected refreshes (docs/design.md §3): "meta" = Meta's numbers (eigh's
 # ascending basis, QR in the rotated frame from the kept basis, D never permuted);
@@ -259,7 +267,7 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_real("betas[1]", betas[1], 0.0, 1.0, low_open=True)
     if group["beta3"] is not None:
         _check_real("beta3", group["beta3"], 0.0, 1.0, high_open=True)
-    _check_real("epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
+    _check_rank_deficient(group)
     _check_real("momentum", group["momentum"], 0.0, 1.0, high_open=True)
     _check_real("dampening", group["dampening"], 0.0, 1.0)
     if not isinstance(group["nesterov"], bool):
@@ -363,6 +371,29 @@ def validate_group(group: dict[str, Any]) -> None:
             raise ValueError(f"{error} (for the vector-like parameters of a group with "
                              f"vector_preconditioner={group['vector_preconditioner']!r})"
                              ) from None
+
+
+def _check_rank_deficient(group: dict[str, Any]) -> None:
+    """``epsilon`` with ``rank_deficient``, ``rank_atol``, ``rank_rtol`` (Meta's rule: the
+    pseudo-inverse takes ``epsilon=0``; the perturbation needs ``epsilon > 0``)."""
+    mode = group["rank_deficient"]
+    _check_choice("rank_deficient", mode, RANK_DEFICIENT_MODES)
+    _check_real("rank_atol", group["rank_atol"], 0.0, math.inf)
+    if group["rank_rtol"] is not None:
+        _check_real("rank_rtol", group["rank_rtol"], 0.0, math.inf)
+    if mode == "perturbation":
+        _check_real("epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
+        return
+    epsilon = group["epsilon"]
+    if not _is_real(epsilon) or epsilon != 0:
+        _fail("epsilon", epsilon, "expected 0.0 with rank_deficient='pseudo_inverse' (the "
+              "pseudo-inverse drops the directions at or below the rank cutoff instead of "
+              "adding epsilon)")
+    if group["preconditioner"] not in ROOT_INVERSE_KINDS + ("diagonal",) + DESCENT_KINDS:
+        _fail("rank_deficient", mode, "the pseudo-inverse is for the inverse roots of "
+              f"preconditioner {' or '.join(map(repr, ROOT_INVERSE_KINDS))}: with "
+              f"{group['preconditioner']!r}, epsilon is the corrected second moment's and "
+              "must be > 0; expected 'perturbation' here")
 
 
 def _check_descent(group: dict[str, Any]) -> None:

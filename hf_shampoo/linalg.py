@@ -178,6 +178,34 @@ def regularized_eigenvalues(eigenvalues: Tensor, epsilon: float) -> Tensor:
     return torch.where(smallest < epsilon, (eigenvalues - smallest) + epsilon, eigenvalues)
 
 
+def pseudo_inverse_cutoff(eigenvalues: Tensor, atol: float, rtol: float | None) -> Tensor:
+    """Per matrix, the eigenvalue at or below which a pseudo-inverse root is 0 (docs/design.md
+    §2): ``max(rtol * max(λ_max, 0), atol)``, with ``rtol=None`` meaning ``d * eps`` of the
+    eigenvalues' dtype (``d`` eigenvalues per matrix), as ``torch.linalg.matrix_rank`` and
+    Meta's ``PseudoInverseConfig``. Shape ``(..., 1)``."""
+    if rtol is None:
+        rtol = eigenvalues.shape[-1] * torch.finfo(eigenvalues.dtype).eps
+    return (rtol * eigenvalues.amax(dim=-1, keepdim=True).relu()).clamp(min=atol)
+
+
+def stabilized_eigenvalues(eigenvalues: Tensor, group: dict) -> tuple[Tensor, Tensor | None]:
+    """What the inverse root of a factor is taken of, by the group's ``rank_deficient``:
+    ``"perturbation"``: the ε-regularised eigenvalues and no cutoff; ``"pseudo_inverse"``:
+    the eigenvalues as they are and the cutoff at or below which their inverse power is 0."""
+    if group.get("rank_deficient", "perturbation") == "pseudo_inverse":
+        return eigenvalues, pseudo_inverse_cutoff(eigenvalues, group["rank_atol"],
+                                                  group["rank_rtol"])
+    return regularized_eigenvalues(eigenvalues, group["epsilon"]), None
+
+
+def inverse_power(eigenvalues: Tensor, exponent: float, cutoff: Tensor | None = None) -> Tensor:
+    """``λ^(-exponent)``, 0 where ``λ <= cutoff`` (a pseudo-inverse's dropped directions)."""
+    out = power(eigenvalues, -exponent)
+    if cutoff is not None:
+        out = torch.where(eigenvalues <= cutoff, torch.zeros_like(out), out)
+    return out
+
+
 def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:
     """``values ** exponent``, computed the same way wherever an element sits in the tensor.
 
@@ -237,11 +265,13 @@ def inverse_root_from_eigen(
     exponent: float,
     out: Tensor | None = None,
     scratch: Tensor | None = None,
+    cutoff: Tensor | None = None,
 ) -> Tensor:
     """``Q diag(λ^-e) Qᵀ = C Cᵀ`` with ``C = Q diag(λ^(-e/2))`` for a stack (eigenvalues
-    already regularised), as a symmetric product. ``scratch`` (the stack's size, laid out
-    like ``eigenvectors``) holds ``C``."""
-    scales = power(eigenvalues, -exponent / 2).unsqueeze(-2)
+    already regularised, or with a pseudo-inverse ``cutoff``: ``λ <= cutoff`` contributes
+    nothing), as a symmetric product. ``scratch`` (the stack's size, laid out like
+    ``eigenvectors``) holds ``C``."""
+    scales = inverse_power(eigenvalues, exponent / 2, cutoff).unsqueeze(-2)
     if scratch is None:
         scaled = eigenvectors * scales
     else:

@@ -88,6 +88,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         check_finite_gradients: bool = DEFAULTS["check_finite_gradients"],
         vector_preconditioner: str | None = DEFAULTS["vector_preconditioner"],
         diagonal_aspect: float | None = DEFAULTS["diagonal_aspect"],
+        rank_deficient: str = DEFAULTS["rank_deficient"],
+        rank_atol: float = DEFAULTS["rank_atol"],
+        rank_rtol: float | None = DEFAULTS["rank_rtol"],
         **unknown: Any,
     ) -> None:
         if unknown:

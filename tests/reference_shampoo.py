@@ -18,7 +18,9 @@ Choices the spec leaves open, and what this reference does (Meta's
     Overrides are modelled for ``preconditioner="shampoo"`` and ``"kl_shampoo"``.
 3.  The ε / λ_min rule (§2): ``L, V = eigh(A + εI)``; if ``min(L) < ε`` every eigenvalue
     is shifted by ``ε - min(L)``, as ``(L - min(L)) + ε`` (Meta's two roundings: the smallest
-    is then exactly ε); ``I = V diag(L^-e) Vᵀ``.
+    is then exactly ε); ``I = V diag(L^-e) Vᵀ``.  With ``rank_deficient="pseudo_inverse"``
+    (ε = 0): ``L, V = eigh(A)``, and an eigenvalue ``<= max(rtol max(L, 0), atol)``
+    (``rtol=None``: ``len(L)`` float64 eps) contributes 0 instead of ``L^-e``.
 4.  Eigenvalue correction (§3), as Meta's ``EigenvalueCorrectedShampooPreconditionerList``
     and ``matrix_functions.qr_algorithm`` compute it.  ``Q_j`` starts as the identity and
     every refresh works on ``A_j + εI`` (``A_j = F_j / bc2``).  ``eigh``: with τ > 0 the
@@ -161,6 +163,9 @@ class ReferenceShampoo:
         grafting_epsilon: float = 1e-8,
         name: str = "param",
         schedule_offset: int = 0,
+        rank_deficient: str = "perturbation",
+        rank_atol: float = 0.0,
+        rank_rtol: float | None = 0.0,
     ):
         self.param = param.detach().clone().to(torch.float64)
         self.lr = lr
@@ -194,6 +199,9 @@ class ReferenceShampoo:
         # refresh_schedule="staggered": the schedule (start step, refreshes) runs this many
         # steps late; bias corrections still use the true step count t
         self.offset = schedule_offset
+        # note 3: "pseudo_inverse" drops the eigenvalues at or below the rank cutoff
+        self.pseudo_inverse = rank_deficient == "pseudo_inverse"
+        self.rank_atol, self.rank_rtol = rank_atol, rank_rtol
         self.t = 0
         # counters, so that tests can check that a case exercises what it claims to
         self.stats = {"eigh": 0, "qr_steps": 0, "skipped": 0, "permuted": 0}
@@ -255,6 +263,14 @@ class ReferenceShampoo:
             if res is None:
                 continue
             lam, vec = res
+            if self.pseudo_inverse:
+                rtol = (lam.numel() * torch.finfo(lam.dtype).eps if self.rank_rtol is None
+                        else self.rank_rtol)
+                cutoff = max(rtol * max(lam.max().item(), 0.0), self.rank_atol)
+                inverse = [0.0 if v <= cutoff else v ** -exps[j] for v in lam.tolist()]
+                blk.inv_roots[j] = vec @ torch.diag(torch.tensor(inverse, dtype=torch.float64)
+                                                    ) @ vec.T
+                continue
             lam_min = lam.min()
             if lam_min < self.eps:
                 lam = (lam - lam_min) + self.eps

@@ -150,6 +150,23 @@ def test_first_refresh_roots_close_to_32bit():
         assert (restored - exact).norm() / exact.norm() < 0.08
 
 
+def test_first_refresh_pseudo_inverse_roots_close_to_32bit():
+    """The same first refresh with rank_deficient="pseudo_inverse" (the 96×96 factor has
+    rank 64 after one batch of 64): the null space is dropped in both, and the 4-bit roots
+    differ from the 32-bit ones by the code's error only."""
+    pinv = dict(epsilon=0.0, rank_deficient="pseudo_inverse", rank_rtol=None)
+    _, full, _ = _regression(None, steps=1, frequency=1, **pinv)
+    _, four, _ = _regression("4bit", steps=1, frequency=1, **pinv)
+    a, b = full._ensure_layout().owned[0], four._ensure_layout().owned[0]
+    for j in range(2):
+        restored = QuantizedShampoo.stored_root(b.state, j, a.shape[j])
+        exact = a.state[f"inverse_root_{j}"]
+        assert (restored - exact).norm() / exact.norm() < 0.08
+    # at most rank 64 of 96 (a perturbation's root has full rank): the left root annihilates
+    # what the batch never touched
+    assert torch.linalg.matrix_rank(a.state["inverse_root_0"]).item() <= 64
+
+
 def test_state_is_smaller_by_more_than_6x():
     """Per 1024×1024 block, the Kronecker state beyond the grafting and momentum state:
     32-bit Shampoo keeps 2 float32 factors + 2 roots; 4-bit about 1.13 bytes per element."""

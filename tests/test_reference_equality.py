@@ -378,3 +378,44 @@ def test_kl_shampoo_statistics_differ_from_shampoo():
             opt.step()
         out.append(p.detach().clone())
     assert (out[0] - out[1]).norm() > 0.05 * out[0].norm(), (out[0] - out[1]).norm() / out[0].norm()
+
+
+# ------------------------------------------------------------------ pseudo-inverse roots
+PSEUDO = {"lr": 0.05, "epsilon": 0.0, "rank_deficient": "pseudo_inverse",
+          "max_preconditioner_dim": 8}
+
+
+@pytest.mark.parametrize("kind", ["shampoo", "kl_shampoo"])
+@pytest.mark.parametrize(
+    "shape, config",
+    [
+        # (8, 5): the 8 x 8 factor has seen 2 gradients at the first refresh (rank 2)
+        pytest.param((8, 5), {"precondition_frequency": 2, "rank_rtol": None}, id="rtol-eps"),
+        pytest.param((8, 5), {"precondition_frequency": 2, "rank_atol": 0.5}, id="atol"),
+        pytest.param((6,), {"rank_rtol": 1e-3, "grafting": "adam"}, id="1d-rtol-adam"),
+        pytest.param((3, 4, 5), {"max_preconditioner_dim": 5, "rank_rtol": None,
+                                 "inverse_exponent_override": {3: {1: 0.0}}}, id="3d-dim-off"),
+    ],
+)
+def test_pseudo_inverse_roots(kind, shape, config):
+    """rank_deficient="pseudo_inverse": the inverse roots of rank-deficient factors drop
+    the directions at or below the cutoff (docs/design.md §2), float64 formula."""
+    run_against_reference(shape, {**PSEUDO, "preconditioner": kind, **config}, steps=6)
+
+
+def test_pseudo_inverse_keeps_the_update_in_the_gradients_span():
+    """With rank-1 gradients G = u xᵀ (x fixed) the right factor has rank 1: the pseudo-
+    inverse update stays in the span of x exactly, where a perturbation (ε = 1e-12) also
+    moves along the null space's rounding noise."""
+    from hf_shampoo import DistributedShampoo
+
+    g = generator(4)
+    x = torch.randn(5, generator=g)
+    p = torch.nn.Parameter(torch.zeros(8, 5))
+    opt = DistributedShampoo([p], lr=0.1, epsilon=0.0, rank_deficient="pseudo_inverse",
+                             rank_rtol=None, max_preconditioner_dim=8)
+    for _ in range(4):
+        p.grad = torch.outer(torch.randn(8, generator=g), x)
+        opt.step()
+    across = p.detach() - (p.detach() @ x)[:, None] * x / x.dot(x)
+    assert p.detach().norm() > 0 and across.norm() <= 1e-5 * p.detach().norm()

@@ -46,6 +46,10 @@ BAD = [
     ("distributed", "fsdp2", "fsdp2"),
     ("num_trainers_per_group", 0, "0"),
     ("num_trainers_per_group", -2, "-2"),
+    ("epsilon", 0.0, "0.0"),  # the perturbation needs epsilon > 0
+    ("rank_deficient", "truncate", "truncate"),
+    ("rank_atol", -1.0, "-1.0"),
+    ("rank_rtol", -0.5, "-0.5"),
 ]
 
 
@@ -136,3 +140,17 @@ def test_valid_per_group_values_are_kept():
     )
     assert opt.param_groups[0]["lr"] == 0.1
     assert opt.param_groups[1]["lr"] == 0.5
+
+
+def test_pseudo_inverse_takes_epsilon_zero_and_root_kinds_only():
+    """Meta's rule: the pseudo-inverse replaces epsilon (it must be 0); the eigenvalue-
+    corrected kind's epsilon is its second moment's, so it keeps the perturbation."""
+    with pytest.raises(ValueError, match=r"epsilon.*1e-12.*expected 0.0 with rank_deficient="):
+        DistributedShampoo([param()], rank_deficient="pseudo_inverse")
+    with pytest.raises(ValueError, match=r"rank_deficient.*'shampoo' or 'kl_shampoo'"):
+        DistributedShampoo([param()], rank_deficient="pseudo_inverse", epsilon=0.0,
+                           preconditioner="eigenvalue_corrected")
+    for kind in ("shampoo", "kl_shampoo"):
+        opt = DistributedShampoo([param()], rank_deficient="pseudo_inverse", epsilon=0.0,
+                                 rank_rtol=None, preconditioner=kind)
+        assert opt.param_groups[0]["rank_rtol"] is None

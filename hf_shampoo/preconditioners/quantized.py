@@ -235,10 +235,10 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
                 stack, job, rows, self.descending(group)).items():
             if len(done) == 0:
                 continue
-            lam = linalg.regularized_eigenvalues(values / bias2 + group["epsilon"],
-                                                 group["epsilon"])
+            lam, cutoff = linalg.stabilized_eigenvalues(values / bias2 + group["epsilon"], group)
             exponent = dim_exponents(group, stack.order)[j]
-            root = linalg.inverse_root_from_eigen(lam, vectors.contiguous(), exponent)
+            root = linalg.inverse_root_from_eigen(lam, vectors.contiguous(), exponent,
+                                                  cutoff=cutoff)
             diagonal = root.diagonal(dim1=-2, dim2=-1).clone()
             root.diagonal(dim1=-2, dim2=-1).zero_()
             state[f"inverse_root_{j}_diagonal"][index[done]] = diagonal

@@ -12,6 +12,7 @@ dtype and returned in the gradient's, as Meta does.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .. import linalg
@@ -59,11 +60,13 @@ class Shampoo(KroneckerFactored):
         full = [j for j in self.factor_dims(stack, group) if j not in diagonal]
         for plan in common.plan_dims(job, diagonal, picked, workspace):
             # a diagonal matrix: the entries of A + εI are its eigenvalues, no decomposition
-            lam = linalg.regularized_eigenvalues(plan.matrix + group["epsilon"],
-                                                 group["epsilon"])
+            lam, cutoff = linalg.stabilized_eigenvalues(plan.matrix + group["epsilon"], group)
             exponent = dim_exponents(group, stack.order)[plan.dim]
             root = job.state[f"inverse_root_{plan.dim}"]
-            picked.put(root, plan.todo, lam.pow(-exponent).to(root.dtype))
+            inverse = lam.pow(-exponent)
+            if cutoff is not None:
+                inverse = torch.where(lam <= cutoff, torch.zeros_like(inverse), inverse)
+            picked.put(root, plan.todo, inverse.to(root.dtype))
         plans = common.plan_dims(job, full, picked, workspace)
         if keeps and not first:
             for plan in plans:
@@ -89,18 +92,18 @@ class Shampoo(KroneckerFactored):
             local, vectors = new.done, new.basis
         if len(local) == 0:
             return
-        lam = linalg.regularized_eigenvalues(
-            new.values if len(local) == n else new.values[local], group["epsilon"])
+        lam, cutoff = linalg.stabilized_eigenvalues(
+            new.values if len(local) == n else new.values[local], group)
         exponent = dim_exponents(group, stack.order)[plan.dim]
         root = state[f"inverse_root_{plan.dim}"]
         scaled = workspace.get("refresh_scaled", vectors.shape, vectors.dtype, device)
         if not vectors.is_contiguous():  # column-major from eigh: keep its layout
             scaled = scaled.mT
         if root.dtype == vectors.dtype and picked.covers(local, root):
-            linalg.inverse_root_from_eigen(lam, vectors, exponent, root, scaled)
+            linalg.inverse_root_from_eigen(lam, vectors, exponent, root, scaled, cutoff)
         else:  # computed in the factors' dtype, stored in the roots' (a no-op cast if same)
             picked.put(root, local, linalg.inverse_root_from_eigen(
-                lam, vectors, exponent, scratch=scaled).to(root.dtype))
+                lam, vectors, exponent, scratch=scaled, cutoff=cutoff).to(root.dtype))
 
     def roots(self, stack, job, scratch: Scratch) -> list[Tensor | None]:
         """``I_j`` per dim (None: the identity)."""

@@ -80,6 +80,7 @@ _OPTIONAL_TYPES = {
     "sign_scale": str,
     "vector_preconditioner": str,
     "diagonal_aspect": float,
+    "rank_rtol": float,
 }
 
 
