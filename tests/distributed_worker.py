@@ -49,6 +49,10 @@ SCENARIOS: dict[str, dict] = {
                           precondition_frequency=2, max_preconditioner_dim=16,
                           quantization="4bit", statistics_frequency=1,
                           refresh_schedule="staggered"),
+    # pseudo-inverse roots of rank-deficient factors (the first refresh sees 2 gradients)
+    "kl_pseudo_inverse": dict(lr=0.01, preconditioner="kl_shampoo", grafting="adam",
+                              epsilon=0.0, rank_deficient="pseudo_inverse", rank_rtol=None,
+                              precondition_frequency=2, max_preconditioner_dim=16),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
     # Muon: spectral descent on the matrices (blocks of 16), Adam on vectors and scalars
