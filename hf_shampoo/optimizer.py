@@ -364,6 +364,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._state_dict()
+        tools = self.state.tool_entries()  # keys other code stored under a parameter
+        if tools:
+            index_of: dict[int, int] = {}
+            for param in self._all_params():  # torch's numbering: by identity, in order
+                index_of.setdefault(id(param), len(index_of))
+            for key, entries in tools.items():
+                if key in index_of:
+                    state_dict["state"].setdefault(index_of[key], {}).update(entries)
         state_dict["state"].update(self.state.foreign)  # keys that are not parameters
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -435,11 +443,21 @@ class DistributedShampoo(torch.optim.Optimizer):
             if foreign:
                 state_dict = {**state_dict, "state": {k: v for k, v in state_dict["state"].items()
                                                       if k not in foreign}}
+        state_dict, tools = _split_tool_entries(state_dict)
         layout = self._ensure_layout(also=_saved_param_indices(state_dict,
                                                                len(self._all_params())))
         checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world(),
                           self._key_prefix(), layout.blockings)
         self.state.foreign.update(foreign)
+        if tools:  # keys other code stored under a parameter, by the saved groups' order
+            params = self._all_params()
+            position: dict[Any, int] = {}
+            for i, pid in enumerate(pid for g in state_dict["param_groups"]
+                                    for pid in g["params"]):
+                position.setdefault(pid, i)
+            for saved_id, entries in tools.items():
+                if position.get(saved_id, len(params)) < len(params):
+                    self.state[params[position[saved_id]]].update(entries)
         self._consolidated = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -497,6 +515,23 @@ class DistributedShampoo(torch.optim.Optimizer):
                       "grafting": settings["grafting"]}
                      for i, b in enumerate(s.members)]
         return rows
+
+
+def _split_tool_entries(state_dict: Any) -> tuple[Any, dict[Any, dict[str, Any]]]:
+    """``state_dict`` without the entries that other code stored under a parameter (keys
+    that are not this optimizer's ``block_{b}.{name}``), and those entries by saved id."""
+    try:
+        state = state_dict["state"]
+        tools = {pid: {k: v for k, v in entry.items() if not checkpoint.is_state_key(k)}
+                 for pid, entry in state.items() if isinstance(entry, dict)}
+    except (KeyError, TypeError, AttributeError):
+        return state_dict, {}
+    tools = {pid: entries for pid, entries in tools.items() if entries}
+    if not tools:
+        return state_dict, {}
+    kept = {pid: ({k: v for k, v in entry.items() if k not in tools[pid]} if pid in tools
+                  else entry) for pid, entry in state.items()}
+    return {**state_dict, "state": {pid: e for pid, e in kept.items() if e}}, tools
 
 
 def _saved_param_ids(state_dict: dict) -> set:

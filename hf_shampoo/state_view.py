@@ -6,9 +6,10 @@ stacked tensors (``stack.py``), so ``StateView`` maps each parameter that has st
 rank to an entry ``{"block_{b}.{name}": view}``: the same names as ``state_dict()``, each a
 view of the block's row of the stacked tensor (reading it reads the state; writing into it
 in place, or assigning a tensor to a key, which copies it in, changes the state). Other
-keys that tools store under a parameter (timm's Lookahead) are kept, as torch keeps them,
-and are not part of ``state_dict()``; keys that are not parameters (hooks' flags) are
-saved in ``state_dict()["state"]`` and restored by ``load_state_dict``, as torch does. The
+keys that tools store under a parameter (timm's Lookahead's slow weights) are kept, and
+saved in that parameter's ``state_dict()["state"][i]`` entry and restored by
+``load_state_dict``, as torch does; keys that are not parameters (hooks' flags) are saved
+in ``state_dict()["state"]`` and restored too. The
 view is computed on access, so it is never stale. The state lives on the parameters' device
 and follows them at the next ``step()``.
 """
@@ -24,7 +25,8 @@ from torch import Tensor
 class StateEntry(dict):
     """One parameter's state. Assigning a tensor to one of the optimizer's keys copies it
     into the storage; any other key (a tool's own, e.g. timm's Lookahead slow weights) is
-    kept by the view, as torch's ``optimizer.state`` keeps it (not in ``state_dict()``)."""
+    kept by the view, as torch's ``optimizer.state`` keeps it, and saved with the
+    parameter's entry of ``state_dict()``."""
 
     def __init__(self, stacked: dict[str, Tensor], extra: dict[str, Any]) -> None:
         super().__init__(stacked)
@@ -87,6 +89,10 @@ class StateView(MutableMapping):
                 for name, tensor in stack.state.items():
                     entry[f"block_{block.block_index}.{name}"] = tensor[i]
         return entries
+
+    def tool_entries(self) -> dict[int, dict[str, Any]]:
+        """``id(param)`` → the keys other code stored under that parameter (non-empty)."""
+        return {key: dict(extra) for key, (_, extra) in self._extra.items() if extra}
 
     def _params(self) -> dict[int, Tensor]:
         params = {key: param for key, (param, _) in self._stacked().items()}

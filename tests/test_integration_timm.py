@@ -127,7 +127,9 @@ def test_create_optimizer_v2_groups_weight_decay_and_diagonal_vectors():
             assert group["weight_decay"] == (0.0 if vector else 0.05), names[id(p)]
             assert kinds[index[id(p)]] == ("diagonal" if vector else "shampoo"), names[id(p)]
         # the AdamW migration (docs/hyperparameters.md), with decoupled decay as timm passes it
-        assert group["betas"] == (0.9, 0.999) and group["epsilon"] == 1e-12
+        assert group["betas"] == (0.9, 0.999)
+        assert group["rank_deficient"] == "pseudo_inverse" and group["epsilon"] == 0.0
+        assert group["rank_rtol"] is None
         assert group["grafting"] == "adam" and group["grafting_beta2"] == 0.999
         assert group["grafting_epsilon"] == 1e-8 and group["weight_decay_type"] == "decoupled"
     bias = next(g for g in opt.param_groups if any(p is model.fc.bias for p in g["params"]))
@@ -152,6 +154,48 @@ def test_timm_arguments_map_to_shampoo_keywords():
     assert opt.param_groups[0]["grafting_epsilon"] == 1e-5  # an explicit keyword wins
     with pytest.raises(ValueError, match="unknown keyword.*'precondition_freq'.*valid keywords"):
         create_optimizer_v2(model, opt="shampoo", precondition_freq=7)
+    # an explicit epsilon selects Meta's perturbation
+    opt = create_optimizer_v2(model, opt="klshampoo", epsilon=1e-12)
+    group = opt.param_groups[0]
+    assert group["rank_deficient"] == "perturbation" and group["epsilon"] == 1e-12
+
+
+def _direction_after_a_dtype_change(name: str, seed: int, **kwargs) -> float:
+    """timm's state-dict contract: an optimizer primed in float32, its state loaded into
+    a float64 copy, both stepped 5 times on ``(W x + b)²`` (rank-1 gradients: the merged
+    50 x 50 factor stays rank-deficient): the cosine of the two parameter movements."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(10, 5, generator=g))
+    bias = torch.nn.Parameter(torch.randn(10, generator=g))
+    x = torch.randn(5, generator=g)
+
+    def run(opt, w, b, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            (w.mv(x.to(w.dtype)) + b).pow(2).sum().backward()
+            opt.step()
+
+    opt = create_optimizer_v2([weight, bias], opt=name, lr=1e-2, **kwargs)
+    run(opt, weight, bias, 20)
+    w64 = torch.nn.Parameter(weight.detach().double().clone())
+    b64 = torch.nn.Parameter(bias.detach().double().clone())
+    opt64 = create_optimizer_v2([w64, b64], opt=name, lr=1e-2, **kwargs)
+    opt64.load_state_dict(opt.state_dict())
+    start = torch.cat([weight.detach().flatten(), bias.detach()]).double()
+    run(opt, weight, bias, 5)
+    run(opt64, w64, b64, 5)
+    moved = torch.cat([weight.detach().flatten(), bias.detach()]).double() - start
+    moved64 = torch.cat([w64.detach().flatten(), b64.detach()]) - start
+    return torch.nn.functional.cosine_similarity(moved, moved64, dim=0).item()
+
+
+@pytest.mark.parametrize("name", ["shampoo", "klshampoo"])
+def test_float32_and_float64_copies_move_alike(name):
+    """With the pseudo-inverse default the float32 run and its float64 copy agree; Meta's
+    ε = 1e-12 perturbation amplifies the null space's round-off instead."""
+    assert min(_direction_after_a_dtype_change(name, seed) for seed in range(5)) > 0.99
+    assert min(_direction_after_a_dtype_change(name, seed, epsilon=1e-12)
+               for seed in range(5)) < 0.9
 
 
 def test_diagonal_opt_out_and_plain_parameter_iterables():

@@ -154,12 +154,12 @@ def test_optimizer_state_maps_each_parameter_to_views_of_its_state():
                if k.endswith("grafting_state"))
     stranger = torch.nn.Parameter(torch.ones(1))
     assert opt.state[stranger] == {} and stranger not in opt.state  # empty, not added
-    # a tool's own key (timm's Lookahead keeps its slow weights so) is kept, not saved
+    # a tool's own key (timm's Lookahead keeps its slow weights so) is kept, and saved
     opt.state[params[0]]["slow"] = torch.full((2,), 7.0)
     opt.state[params[0]].setdefault("count", 3)
     assert torch.equal(opt.state[params[0]]["slow"], torch.full((2,), 7.0))
     assert opt.state[params[0]]["count"] == 3
-    assert "slow" not in opt.state_dict()["state"][0]
+    assert opt.state_dict()["state"][0]["count"] == 3
     with pytest.raises(KeyError, match="cannot be deleted"):
         del opt.state[params[0]][next(iter(saved[0]))]
     del opt.state[params[0]]["slow"]
@@ -216,6 +216,25 @@ def test_timm_lookahead_around_shampoo_keeps_its_slow_weights():
     base = opt._base_optimizer
     assert all("lookahead_slow_buff" in base.state[p] for p in model.parameters())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_timm_lookahead_resumes_exactly_with_its_slow_weights():
+    """Keys a tool stores under a parameter are saved with that parameter's state-dict
+    entry and restored by load_state_dict, as torch does: Lookahead resumes exactly."""
+    from timm.optim import Lookahead
+
+    model = _model()
+    opt = Lookahead(DistributedShampoo(model.parameters(), **CONFIG), k=2, alpha=0.5)
+    _train(model, opt, 5, seed=0)
+    saved = copy.deepcopy(opt.state_dict())
+    assert all("lookahead_slow_buff" in entry for entry in saved["state"].values())
+    other = copy.deepcopy(model)
+    resumed = Lookahead(DistributedShampoo(other.parameters(), **CONFIG), k=2, alpha=0.5)
+    resumed.load_state_dict(saved)
+    _train(model, opt, 4, seed=1)
+    _train(other, resumed, 4, seed=1)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_keys_that_are_not_parameters_live_in_optimizer_state_as_in_torch():

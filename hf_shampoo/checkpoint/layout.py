@@ -59,6 +59,12 @@ def pack(
 _DTYPE_PREFIX = "torch."
 
 
+def is_state_key(key: Any) -> bool:
+    """Whether ``key`` names one of this optimizer's state tensors (``block_{b}.{name}``,
+    with a shard prefix in ``fsdp_mode="local"``), not a key that other code stored."""
+    return isinstance(key, str) and _KEY.match(key) is not None
+
+
 def _encode(value: Any) -> Any:
     """Group values as plain Python: dtypes become their names ("torch.float32"), which
     torch.distributed.checkpoint's state-dict helpers can gather and broadcast."""

@@ -74,8 +74,13 @@ class TimmShampoo(_TimmOptimizer):
     """timm's ``opt="shampoo"``: Adam-grafted Shampoo, AdamW's hyperparameters.
 
     ``lr``, ``betas`` and ``weight_decay`` keep their AdamW meaning (decoupled decay);
-    ``eps`` (timm's ``--opt-eps``) is Adam's epsilon, i.e. ``grafting_epsilon``, and
-    Shampoo's own ``epsilon`` is 1e-12. ``foreach`` is accepted and ignored. Any other
+    ``eps`` (timm's ``--opt-eps``) is Adam's epsilon, i.e. ``grafting_epsilon``. The roots
+    of rank-deficient factors are pseudo-inverses at the rounding floor
+    (``rank_deficient="pseudo_inverse"``, ``epsilon=0``, ``rank_rtol=None``): float32 and
+    float64 copies then move in the same direction, which Meta's ε = 1e-12 perturbation
+    does not guarantee while factors are rank-deficient (timm's own test of that fails
+    with it); an explicit ``epsilon > 0`` selects the perturbation (Meta's default).
+    ``foreach`` is accepted and ignored. Any other
     ``DistributedShampoo`` keyword (``precondition_frequency=...``) passes through, and wins
     over these defaults. See ``timm_param_groups`` for ``diagonal_1d`` / ``apply_lr_scale``.
     A ``DistributedShampoo`` subclass, so timm's registry holds a real optimizer class.
@@ -83,7 +88,13 @@ class TimmShampoo(_TimmOptimizer):
 
     @staticmethod
     def _defaults(betas: tuple, eps: float | None, kwargs: dict[str, Any]) -> None:
-        kwargs.setdefault("epsilon", 1e-12)
+        mode = kwargs.setdefault(
+            "rank_deficient", "perturbation" if kwargs.get("epsilon") else "pseudo_inverse")
+        if mode == "pseudo_inverse":
+            kwargs.setdefault("epsilon", 0.0)
+            kwargs.setdefault("rank_rtol", None)
+        else:
+            kwargs.setdefault("epsilon", 1e-12)
         kwargs.setdefault("grafting", "adam")
         kwargs.setdefault("grafting_beta2", betas[1])
         kwargs.setdefault("grafting_epsilon", ADAMW_EPS if eps is None else eps)
