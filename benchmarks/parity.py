@@ -121,8 +121,47 @@ def cases(m) -> list[Case]:
                     lambda: _common(grafting_config=grafting("adam"),
                                     preconditioner_config=shampoo_cfg(
                                         inverse_exponent_override={2: {0: 0.0}, 1: 0.3}))))
-    return out + pseudo_inverse_cases(m, grafting, ours_grafting) + corrected_cases(
-        m, grafting, ours_grafting) + descent_cases(m, grafting, ours_grafting)
+    return out + pseudo_inverse_cases(m, grafting, ours_grafting) + root_solver_cases(
+        m, grafting, ours_grafting) + corrected_cases(m, grafting, ours_grafting) + descent_cases(
+        m, grafting, ours_grafting)
+
+
+def root_solver_cases(m, grafting, ours_grafting) -> list[Case]:
+    """``root_inverse="coupled_newton"`` / ``"coupled_higher_order"`` (Meta's
+    ``CoupledNewtonConfig`` / ``CoupledHigherOrderConfig``) at Meta's default tolerances
+    and a tight one, for Shampoo and KL-Shampoo; the higher order's ridge as ours by
+    default (``abs_epsilon`` = epsilon) and relative."""
+    if not hasattr(m, "CoupledNewtonConfig"):
+        return []
+    out = []
+    kinds = (("shampoo", "RootInvShampooPreconditionerConfig"),
+             ("kl_shampoo", "RootInvKLShampooPreconditionerConfig"))
+    newton = (("newton", dict(), lambda: m.CoupledNewtonConfig()),
+              ("newton_tol1e-12", dict(root_tolerance=1e-12, root_max_iterations=200),
+               lambda: m.CoupledNewtonConfig(tolerance=1e-12, max_iterations=200)))
+    higher = (("higher3", dict(), lambda: m.CoupledHigherOrderConfig(rel_epsilon=0.0,
+                                                                    abs_epsilon=1e-6)),
+              ("higher2_rel", dict(root_order=2, root_rel_epsilon=1e-4, root_abs_epsilon=0.0),
+               lambda: m.CoupledHigherOrderConfig(rel_epsilon=1e-4, abs_epsilon=0.0,
+                                                  order=2)),
+              ("higher5_tol1e-12", dict(root_order=5, root_tolerance=1e-12),
+               lambda: m.CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=1e-6, order=5,
+                                                  tolerance=1e-12)))
+    for kind, config in kinds:
+        if not hasattr(m, config):
+            continue
+        for name, ours, theirs in [(n, dict(o, root_inverse="coupled_newton"), t)
+                                   for n, o, t in newton] + [
+                                  (n, dict(o, root_inverse="coupled_higher_order"), t)
+                                  for n, o, t in higher]:
+            out.append(Case(
+                f"{kind}_{name}", _common(preconditioner=kind, **ours, **ours_grafting("adam")),
+                lambda theirs=theirs, config=config: _common(
+                    grafting_config=grafting("adam"),
+                    preconditioner_config=getattr(m, config)(
+                        factor_matrix_dtype=F64, inv_factor_matrix_dtype=F64,
+                        amortized_computation_config=theirs()))))
+    return out
 
 
 def pseudo_inverse_cases(m, grafting, ours_grafting) -> list[Case]:

@@ -60,6 +60,12 @@ DEFAULTS: dict[str, Any] = {
     "rank_deficient": "perturbation",
     "rank_atol": 0.0,
     "rank_rtol": 0.0,
+    "root_inverse": "eigh",
+    "root_max_iterations": 100,
+    "root_tolerance": None,
+    "root_order": 3,
+    "root_rel_epsilon": 0.0,
+    "root_abs_epsilon": None,
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -90,6 +96,11 @@ ROOT_INVERSE_KINDS = ("shampoo", "kl_shampoo")
 # to ε; "pseudo_inverse" = eigenvalues at or below max(rank_rtol * λ_max, rank_atol) give 0
 # (epsilon must be 0; rank_rtol=None: d * eps of the factors' dtype).
 RANK_DEFICIENT_MODES = ("perturbation", "pseudo_inverse")
+# How Shampoo's inverse roots are computed (Meta's RootInvConfig): "eigh" (EigenConfig);
+# "coupled_newton" / "coupled_higher_order" (CoupledNewtonConfig / CoupledHigherOrderConfig:
+# matrix products only, root_solvers.py). root_tolerance None: Meta's 1e-6 / 1e-8;
+# root_abs_epsilon None: the group's epsilon.
+ROOT_INVERSES = ("eigh", "coupled_newton", "coupled_higher_order")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
 # Eigenvalue-corrected refreshes (docs/design.md §3): "meta" = Meta's numbers (eigh's
 # ascending basis, QR in the rotated frame from the kept basis, D never permuted);
@@ -268,6 +279,7 @@ def validate_group(group: dict[str, Any]) -> None:
     if group["beta3"] is not None:
         _check_real("beta3", group["beta3"], 0.0, 1.0, high_open=True)
     _check_rank_deficient(group)
+    _check_root_inverse(group)
     _check_real("momentum", group["momentum"], 0.0, 1.0, high_open=True)
     _check_real("dampening", group["dampening"], 0.0, 1.0)
     if not isinstance(group["nesterov"], bool):
@@ -394,6 +406,39 @@ def _check_rank_deficient(group: dict[str, Any]) -> None:
               f"preconditioner {' or '.join(map(repr, ROOT_INVERSE_KINDS))}: with "
               f"{group['preconditioner']!r}, epsilon is the corrected second moment's and "
               "must be > 0; expected 'perturbation' here")
+
+
+def _check_root_inverse(group: dict[str, Any]) -> None:
+    """``root_inverse`` and its keywords; the coupled iterations need integer roots and
+    compute the roots alone (no eigenvectors: no QR, criterion, 4-bit or pseudo-inverse)."""
+    solver = group["root_inverse"]
+    _check_choice("root_inverse", solver, ROOT_INVERSES)
+    _check_int("root_max_iterations", group["root_max_iterations"], 1)
+    if group["root_tolerance"] is not None:
+        _check_real("root_tolerance", group["root_tolerance"], 0.0, math.inf)
+    _check_int("root_order", group["root_order"], 2)
+    _check_real("root_rel_epsilon", group["root_rel_epsilon"], 0.0, math.inf)
+    if group["root_abs_epsilon"] is not None:
+        _check_real("root_abs_epsilon", group["root_abs_epsilon"], 0.0, math.inf)
+    if solver == "eigh" or group["preconditioner"] in ("diagonal",) + DESCENT_KINDS:
+        return
+    where = f"root_inverse={solver!r} computes inverse roots by matrix products"
+    if group["preconditioner"] not in ROOT_INVERSE_KINDS:
+        _fail("root_inverse", solver, f"{where}, for preconditioner "
+              f"{' or '.join(map(repr, ROOT_INVERSE_KINDS))}: expected 'eigh' with "
+              f"{group['preconditioner']!r}")
+    for key, plain in (("quantization", None), ("eigendecomposition", "eigh"),
+                       ("eigenbasis_tolerance", 0.0), ("rank_deficient", "perturbation")):
+        if group[key] != plain:
+            _fail(key, group[key], f"{where} and keeps no eigenvectors or eigenvalues: "
+                  f"expected {plain!r} with it")
+    for order, entry in (group["inverse_exponent_override"] or {}).items():
+        exponents = entry.values() if isinstance(entry, dict) else [entry]
+        for e in exponents:
+            if e != 0 and abs(1 / e - round(1 / e)) > 1e-9:
+                _fail("inverse_exponent_override", group["inverse_exponent_override"],
+                      f"{where}: every exponent must be 1/p for an integer p (or 0), "
+                      f"got {e} for order {order}")
 
 
 def _check_descent(group: dict[str, Any]) -> None:

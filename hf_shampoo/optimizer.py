@@ -91,6 +91,12 @@ class DistributedShampoo(torch.optim.Optimizer):
         rank_deficient: str = DEFAULTS["rank_deficient"],
         rank_atol: float = DEFAULTS["rank_atol"],
         rank_rtol: float | None = DEFAULTS["rank_rtol"],
+        root_inverse: str = DEFAULTS["root_inverse"],
+        root_max_iterations: int = DEFAULTS["root_max_iterations"],
+        root_tolerance: float | None = DEFAULTS["root_tolerance"],
+        root_order: int = DEFAULTS["root_order"],
+        root_rel_epsilon: float = DEFAULTS["root_rel_epsilon"],
+        root_abs_epsilon: float | None = DEFAULTS["root_abs_epsilon"],
         **unknown: Any,
     ) -> None:
         if unknown:

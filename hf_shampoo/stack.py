@@ -197,9 +197,10 @@ class BlockStack:
         stages.finish_direction(state, group, direction, scale, direction is not filtered,
                                 job.param, lr, out, scratch("direction"))
 
-    def count_failures(self, name: str, ok: Tensor, members: list[int], step: int) -> None:
-        """Record which members' decompositions of ``name`` failed this refresh; warn, or
-        raise after too many failures in a row."""
+    def count_failures(self, name: str, ok: Tensor, members: list[int], step: int,
+                       what: str = "eigendecomposition") -> None:
+        """Record which members' decompositions (``what``) of ``name`` failed this refresh;
+        warn, or raise after too many failures in a row."""
         counts = self.failures.setdefault(name, [0] * len(self.members))
         for position, success in zip(members, ok.tolist()):
             if success:
@@ -208,7 +209,7 @@ class BlockStack:
             counts[position] += 1
             member = self.members[position]
             message = (
-                f"DistributedShampoo: eigendecomposition of {name} of parameter "
+                f"DistributedShampoo: {what} of {name} of parameter "
                 f"{member.name!r} (block {member.block_index}) failed at step {step}"
             )
             if counts[position] > MAX_CONSECUTIVE_FAILURES:

@@ -53,6 +53,10 @@ SCENARIOS: dict[str, dict] = {
     "kl_pseudo_inverse": dict(lr=0.01, preconditioner="kl_shampoo", grafting="adam",
                               epsilon=0.0, rank_deficient="pseudo_inverse", rank_rtol=None,
                               precondition_frequency=2, max_preconditioner_dim=16),
+    # inverse roots by Meta's coupled iterations (matrix products only)
+    "higher_order_roots": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                               max_preconditioner_dim=16, epsilon=1e-6,
+                               root_inverse="coupled_higher_order"),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
     # Muon: spectral descent on the matrices (blocks of 16), Adam on vectors and scalars

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import linalg
+from .. import linalg, root_solvers
 from ..config import diagonal_dims, dim_exponents
 from ..kronecker import multi_mode_product
 from ..stages import Scratch
@@ -68,6 +68,10 @@ class Shampoo(KroneckerFactored):
                 inverse = torch.where(lam <= cutoff, torch.zeros_like(inverse), inverse)
             picked.put(root, plan.todo, inverse.to(root.dtype))
         plans = common.plan_dims(job, full, picked, workspace)
+        if group["root_inverse"] != "eigh":  # coupled iterations: roots without eigenvectors
+            for plan in plans:
+                self._coupled_roots(stack, job, plan, picked)
+            return
         if keeps and not first:
             for plan in plans:
                 common.apply_criterion(job, plan, picked, shift=False)
@@ -80,6 +84,34 @@ class Shampoo(KroneckerFactored):
             self._roots(stack, job, plan, picked, new, workspace)
             stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
                                  [job.members[r] for r in picked.list], job.step)
+
+    def _coupled_roots(self, stack, job, plan, picked) -> None:
+        """``I_j`` of every refreshing row by Meta's coupled Newton or higher-order
+        iteration (root_solvers.py); a failed matrix keeps its previous root."""
+        group = job.group
+        exponent = dim_exponents(group, stack.order)[plan.dim]
+        p = round(1 / exponent)
+        iterations = group["root_max_iterations"]
+        if group["root_inverse"] == "coupled_newton":
+            tolerance = group["root_tolerance"]
+            x, ok = root_solvers.coupled_newton(
+                plan.matrix, p, group["epsilon"], iterations,
+                root_solvers.NEWTON_TOLERANCE if tolerance is None else tolerance)
+        else:
+            tolerance = group["root_tolerance"]
+            absolute = group["root_abs_epsilon"]
+            x, ok = root_solvers.coupled_higher_order(
+                plan.matrix, p, group["root_rel_epsilon"],
+                group["epsilon"] if absolute is None else absolute, iterations,
+                root_solvers.HIGHER_ORDER_TOLERANCE if tolerance is None else tolerance,
+                group["root_order"])
+        ok_cpu = ok.cpu()
+        local = ok.nonzero().flatten()
+        root = job.state[f"inverse_root_{plan.dim}"]
+        picked.put(root, local, (x if len(local) == len(x) else x[local]).to(root.dtype))
+        stack.count_failures(f"factor_matrix_{plan.dim}", ok_cpu,
+                             [job.members[r] for r in picked.list], job.step,
+                             what=f"inverse root ({group['root_inverse']})")
 
     def _roots(self, stack, job, plan, picked, new: common.NewBases, workspace) -> None:
         """``I_j`` of every row that did not fail, from its kept or new basis."""

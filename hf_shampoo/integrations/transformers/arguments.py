@@ -81,6 +81,8 @@ _OPTIONAL_TYPES = {
     "vector_preconditioner": str,
     "diagonal_aspect": float,
     "rank_rtol": float,
+    "root_tolerance": float,
+    "root_abs_epsilon": float,
 }
 
 

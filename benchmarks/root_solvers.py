@@ -1,0 +1,117 @@
+"""Inverse-root refresh on a model's factor matrices: ``eigh`` against Meta's coupled
+iterations (``root_inverse="coupled_newton"`` / ``"coupled_higher_order"``).
+
+The factors are those of ``DistributedShampoo(model.parameters())`` with
+``max_preconditioner_dim=1024`` (ResNet-50: 250 factor matrices), filled with
+gradient statistics ``F = Σ_t G_t G_tᵀ / T`` of ``--samples`` random gradients per block
+(the same for every solver), ε = 1e-12 as Shampoo's default. Each solver computes every
+factor's root ``(F + εI)^(-1/(2k))`` (``k`` the block's order) in the factors' dtype, the
+matrices of one size and root batched as the optimizer batches them; solvers are timed in
+interleaved rounds (medians). The accuracy column is the median over factors of
+``‖X − X_64‖_F / ‖X_64‖_F`` against a float64 eigh root.
+
+    python benchmarks/root_solvers.py --threads 2
+    python benchmarks/root_solvers.py --device cuda --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MODELS, build_model, hardware, median  # noqa: E402
+
+from hf_shampoo import DistributedShampoo, linalg, root_solvers  # noqa: E402
+
+EPSILON = 1e-12
+
+
+def factor_stacks(model: torch.nn.Module, samples: int, device, dtype
+                  ) -> list[tuple[torch.Tensor, int]]:
+    """The model's factor matrices ``Σ G Gᵀ / T`` of random gradients, one stack per
+    (size, root ``2k``)."""
+    opt = DistributedShampoo(model.parameters(), max_preconditioner_dim=1024)
+    g = torch.Generator().manual_seed(0)
+    stacks: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for row in opt.describe_blocks():
+        shape = tuple(row["shape"])
+        if row["preconditioner"] != "shampoo":
+            continue
+        numel = int(torch.tensor(shape).prod().item())
+        for d in shape:
+            if d < 2:
+                continue
+            grads = torch.randn(samples, d, numel // d, generator=g, dtype=torch.float64)
+            factor = torch.einsum("tik,tjk->ij", grads, grads) / samples
+            stacks.setdefault((d, 2 * len(shape)), []).append(factor)
+    return [(torch.stack(fs).to(device, dtype), root)
+            for (_, root), fs in sorted(stacks.items())]
+
+
+def eigh_roots(stack: torch.Tensor, root: int) -> torch.Tensor:
+    eig = linalg.batched_eigh(stack + EPSILON * torch.eye(stack.shape[-1], dtype=stack.dtype,
+                                                          device=stack.device))
+    values = linalg.regularized_eigenvalues(eig.eigenvalues, EPSILON)
+    return linalg.inverse_root_from_eigen(values, eig.eigenvectors, 1.0 / root)
+
+
+SOLVERS = {
+    "eigh": eigh_roots,
+    "coupled_newton": lambda s, p: root_solvers.coupled_newton(s, p, EPSILON)[0],
+    "coupled_higher_order": lambda s, p: root_solvers.coupled_higher_order(
+        s, p, 0.0, EPSILON)[0],
+}
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser.add_argument("--samples", type=int, default=16, help="gradients per factor")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--solvers", nargs="*", default=list(SOLVERS), choices=list(SOLVERS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    stacks = factor_stacks(build_model(args.model), args.samples, args.device, dtype)
+    count = sum(len(s) for s, _ in stacks)
+    exact = [eigh_roots(s.double(), p) for s, p in stacks]
+    times: dict[str, list[float]] = {name: [] for name in args.solvers}
+    errors: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name in args.solvers:
+            synchronize(args.device)
+            start = time.perf_counter()
+            roots = [SOLVERS[name](s, p) for s, p in stacks]
+            synchronize(args.device)
+            times[name].append(time.perf_counter() - start)
+            rel = torch.cat([((r.double() - x).norm(dim=(-2, -1)) / x.norm(dim=(-2, -1))).cpu()
+                             for r, x in zip(roots, exact)])
+            errors[name] = rel.nan_to_num(float("inf")).median().item()
+    base = median(times["eigh"]) if "eigh" in times else None
+    largest = max(s.shape[-1] for s, _ in stacks)
+    print(f"{args.model}: {count} factor matrices in {len(stacks)} stacks "
+          f"(largest {largest}), {args.dtype}, {hardware()}, {args.rounds} interleaved "
+          f"rounds\n")
+    print("| root solver | refresh (s, median) | vs eigh | median relative error vs float64 eigh |")
+    print("|---|---|---|---|")
+    for name in args.solvers:
+        t = median(times[name])
+        ratio = f"{t / base:.2f}×" if base else "–"
+        print(f"| {name} | {t:.3f} | {ratio} | {errors[name]:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
