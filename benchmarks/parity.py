@@ -122,8 +122,47 @@ def cases(m) -> list[Case]:
                                     preconditioner_config=shampoo_cfg(
                                         inverse_exponent_override={2: {0: 0.0}, 1: 0.3}))))
     return out + pseudo_inverse_cases(m, grafting, ours_grafting) + root_solver_cases(
+        m, grafting, ours_grafting) + eigendecomposed_cases(
         m, grafting, ours_grafting) + corrected_cases(m, grafting, ours_grafting) + descent_cases(
         m, grafting, ours_grafting)
+
+
+def eigendecomposed_cases(m, grafting, ours_grafting) -> list[Case]:
+    """``preconditioner="eigendecomposed_shampoo"`` / ``"eigendecomposed_kl_shampoo"``
+    (Meta's ``Eigendecomposed*PreconditionerConfig``): eigh, eigh with the criterion, QR
+    with 1 and 3 iterations and tolerances 0 and > 0, and the pseudo-inverse."""
+    out = []
+    kinds = (("eigendecomposed_shampoo", "EigendecomposedShampooPreconditionerConfig"),
+             ("eigendecomposed_kl_shampoo", "EigendecomposedKLShampooPreconditionerConfig"))
+    variants = (
+        ("eigh", dict(), lambda: m.EighEigendecompositionConfig()),
+        ("eigh_tol0.1", dict(eigenbasis_tolerance=0.1),
+         lambda: m.EighEigendecompositionConfig(tolerance=0.1)),
+        ("qr1_tol0.0", dict(eigendecomposition="qr", qr_max_iterations=1),
+         lambda: m.QREigendecompositionConfig(max_iterations=1)),
+        ("qr3_tol0.05", dict(eigendecomposition="qr", qr_max_iterations=3,
+                             eigenbasis_tolerance=0.05),
+         lambda: m.QREigendecompositionConfig(max_iterations=3, tolerance=0.05)),
+        ("pseudo_inverse", dict(epsilon=0.0, rank_deficient="pseudo_inverse", rank_rtol=None,
+                                start_preconditioning_step=3),
+         lambda: m.EighEigendecompositionConfig(
+             rank_deficient_stability_config=m.PseudoInverseConfig(rank_rtol=None))),
+    )
+    for kind, config in kinds:
+        if not hasattr(m, config):
+            continue
+        for name, ours, theirs in variants:
+            meta_extra = {k: v for k, v in ours.items()
+                          if k in ("epsilon", "start_preconditioning_step")}
+            out.append(Case(
+                f"{kind}_{name}", _common(preconditioner=kind, **ours, **ours_grafting("adam")),
+                lambda theirs=theirs, config=config, meta_extra=meta_extra: _common(
+                    **meta_extra, grafting_config=grafting("adam"),
+                    preconditioner_config=getattr(m, config)(
+                        factor_matrix_dtype=F64, factor_matrix_eigenvectors_dtype=F64,
+                        factor_matrix_eigenvalues_dtype=F64,
+                        amortized_computation_config=theirs()))))
+    return out
 
 
 def root_solver_cases(m, grafting, ours_grafting) -> list[Case]:

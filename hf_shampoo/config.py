@@ -76,7 +76,11 @@ WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
 # SpectralDescentPreconditionerConfig); "sign_descent": its sign (Meta's
 # SignDescentPreconditionerConfig). Neither keeps statistics or refreshes anything.
 PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal", "kl_shampoo",
-                   "spectral_descent", "sign_descent")
+                   "spectral_descent", "sign_descent", "eigendecomposed_shampoo",
+                   "eigendecomposed_kl_shampoo")
+# Shampoo / KL-Shampoo whose refreshes keep each factor's eigendecomposition (Meta's
+# Eigendecomposed*PreconditionerConfig): Meta's eigh with the criterion, or its QR algorithm
+EIGENDECOMPOSED_KINDS = ("eigendecomposed_shampoo", "eigendecomposed_kl_shampoo")
 # kinds without statistics or amortized computation: precondition_frequency has no effect
 # and preconditioning starts at step 1 unless start_preconditioning_step says otherwise
 DESCENT_KINDS = ("spectral_descent", "sign_descent")
@@ -320,10 +324,10 @@ def validate_group(group: dict[str, Any]) -> None:
               "4-bit factors are sampled: expected None unless quantization='4bit' (32-bit "
               "factors take every gradient)")
     if group["quantization"] == "4bit":
-        if group["preconditioner"] == "kl_shampoo":
+        if group["preconditioner"] in ("kl_shampoo",) + EIGENDECOMPOSED_KINDS:
             _fail("quantization", "4bit", "4-bit state exists for preconditioner 'shampoo' "
                   "and 'eigenvalue_corrected' (and has no effect with 'diagonal'), not for "
-                  "'kl_shampoo'")
+                  f"{group['preconditioner']!r}")
         every = group["statistics_frequency"]
         if every is None and group["preconditioner"] == "eigenvalue_corrected":
             _fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo needs an "
@@ -401,9 +405,10 @@ def _check_rank_deficient(group: dict[str, Any]) -> None:
         _fail("epsilon", epsilon, "expected 0.0 with rank_deficient='pseudo_inverse' (the "
               "pseudo-inverse drops the directions at or below the rank cutoff instead of "
               "adding epsilon)")
-    if group["preconditioner"] not in ROOT_INVERSE_KINDS + ("diagonal",) + DESCENT_KINDS:
+    roots = ROOT_INVERSE_KINDS + EIGENDECOMPOSED_KINDS
+    if group["preconditioner"] not in roots + ("diagonal",) + DESCENT_KINDS:
         _fail("rank_deficient", mode, "the pseudo-inverse is for the inverse roots of "
-              f"preconditioner {' or '.join(map(repr, ROOT_INVERSE_KINDS))}: with "
+              f"preconditioner {', '.join(map(repr, roots))}: with "
               f"{group['preconditioner']!r}, epsilon is the corrected second moment's and "
               "must be > 0; expected 'perturbation' here")
 

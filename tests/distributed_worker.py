@@ -57,6 +57,12 @@ SCENARIOS: dict[str, dict] = {
     "higher_order_roots": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, epsilon=1e-6,
                                root_inverse="coupled_higher_order"),
+    # Meta's eigendecomposed KL-Shampoo with its QR algorithm and the criterion
+    "eigendecomposed_kl_qr": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                                  max_preconditioner_dim=16, epsilon=1e-6,
+                                  preconditioner="eigendecomposed_kl_shampoo",
+                                  eigendecomposition="qr", qr_max_iterations=2,
+                                  eigenbasis_tolerance=0.05),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
     # Muon: spectral descent on the matrices (blocks of 16), Adam on vectors and scalars

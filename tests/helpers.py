@@ -53,10 +53,12 @@ def run_against_reference(
     rtol=1e-9,
     atol=1e-12,
     ours_only=(),
+    reference_changes=None,
 ):
     """Step the optimizer and the reference on the same gradients; compare after every step.
     Keys of ``config`` named in ``ours_only`` go to the optimizer only (how, not what, it
-    computes: e.g. its root solver).
+    computes: e.g. its root solver); ``reference_changes`` replace keys for the reference
+    (a kind that computes the same numbers another way).
 
     Returns the reference so that callers can look at its counters.
     """
@@ -67,7 +69,8 @@ def run_against_reference(
         grads = random_tensors(shape, steps, seed)
     param = torch.nn.Parameter(w0.clone())
     opt = DistributedShampoo([param], factor_matrix_dtype=F64, **config)
-    ref = ReferenceShampoo(w0, **{k: v for k, v in config.items() if k not in ours_only})
+    ref = ReferenceShampoo(w0, **{**{k: v for k, v in config.items() if k not in ours_only},
+                                  **(reference_changes or {})})
     for t, g in enumerate(grads, start=1):
         lr = None
         if lrs is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .base import KroneckerFactored, Preconditioner
 from .diagonal import Diagonal
+from .eigendecomposed import EigendecomposedKLShampoo, EigendecomposedShampoo
 from .eigenvalue_corrected import EigenvalueCorrected
 from .kl_shampoo import KLShampoo
 from .quantized import QuantizedEigenvalueCorrected, QuantizedShampoo
@@ -18,7 +19,8 @@ from .spectral_descent import SpectralDescent
 
 KINDS: dict[str, Preconditioner] = {
     kind.name: kind for kind in (Shampoo(), EigenvalueCorrected(), Diagonal(), KLShampoo(),
-                                 SpectralDescent(), SignDescent())
+                                 SpectralDescent(), SignDescent(), EigendecomposedShampoo(),
+                                 EigendecomposedKLShampoo())
 }
 # quantization="4bit": the kinds that keep their factors in 4 bits (the others have none)
 QUANTIZED_KINDS: dict[str, Preconditioner] = {
