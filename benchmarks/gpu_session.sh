@@ -85,6 +85,10 @@ step() {
         part "step_$model" 60 $PY benchmarks/step_time.py --device "$DEVICE" \
             --model "$model" --only-staggered --staggered $f
     done
+    # inverse roots by eigh against the coupled iterations, ResNet-50's factors
+    local roots=(--model resnet50 --rounds 3)
+    [ "$SMOKE" = 1 ] && roots=(--model gpt2-tiny --rounds 1 --threads 1)
+    part "step_roots" 60 $PY benchmarks/root_solvers.py --device "$DEVICE" "${roots[@]}"
 }
 
 e2e() {  # e2e WORKLOAD SECONDS: AdamW (fused) against Shampoo F=100 staggered, + variants

@@ -82,3 +82,21 @@ def test_accelerate_with_all_parameters_holds_state_for_the_adapters_only():
                                            unwrapped.named_parameters()]
     assert all(torch.equal(p, base[n]) for n, p in unwrapped.named_parameters()
                if "lora_" not in n)  # the frozen model did not move
+
+
+def test_an_override_gives_adapters_full_factors():
+    """The presets' adapter rule is a memory choice: ``diagonal_aspect=None`` for the
+    adapters (the documented override, also as ``optim_args``) gives them full factors."""
+    from hf_shampoo.integrations.modules import make_optimizer
+    from hf_shampoo.integrations.transformers.arguments import parse_optim_args
+
+    model = lora_gpt2()
+    parsed = parse_optim_args("*lora_*@diagonal_aspect=None")
+    full = make_optimizer(model, overrides=parsed.overrides, grafting="adam")
+    lean = make_optimizer(model, grafting="adam")
+    rows = {r["name"]: r["preconditioner"] for r in describe_rows(full) if "lora_A" in r["name"]}
+    assert rows and all(kind == "shampoo" for kind in rows.values())
+    assert all("diagonal" in r["preconditioner"] for r in describe_rows(lean)
+               if "lora_A" in r["name"])
+    state = lambda opt: sum(r["state_bytes"] for r in opt.describe_blocks())  # noqa: E731
+    assert state(full) > 100 * state(lean)
