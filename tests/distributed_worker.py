@@ -56,7 +56,7 @@ SCENARIOS: dict[str, dict] = {
     # inverse roots by Meta's coupled iterations (matrix products only)
     "higher_order_roots": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, epsilon=1e-6,
-                               root_inverse="coupled_higher_order"),
+                               root_inverse="coupled_higher_order", root_rel_epsilon=1e-3),
     # Meta's eigendecomposed KL-Shampoo with its QR algorithm and the criterion
     "eigendecomposed_kl_qr": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                   max_preconditioner_dim=16, epsilon=1e-6,
