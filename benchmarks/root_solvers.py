@@ -46,7 +46,8 @@ def factor_stacks(model: torch.nn.Module, samples: int, device, dtype
         for d in shape:
             if d < 2:
                 continue
-            grads = torch.randn(samples, d, numel // d, generator=g, dtype=torch.float64)
+            grads = torch.randn(samples, d, numel // d, generator=g, dtype=torch.float64,
+                                device="cpu")
             factor = torch.einsum("tik,tjk->ij", grads, grads) / samples
             stacks.setdefault((d, 2 * len(shape)), []).append(factor)
     return [(torch.stack(fs).to(device, dtype), root)
@@ -87,7 +88,7 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     stacks = factor_stacks(build_model(args.model), args.samples, args.device, dtype)
     count = sum(len(s) for s, _ in stacks)
-    exact = [eigh_roots(s.double(), p) for s, p in stacks]
+    exact = [eigh_roots(s.double(), p) for s, p in stacks]  # on the device, as the rest
     times: dict[str, list[float]] = {name: [] for name in args.solvers}
     errors: dict[str, float] = {}
     for _ in range(args.rounds):

@@ -21,10 +21,11 @@ except ValueError as error:  # a bad HF_SHAMPOO_TEST_DEVICE: say so, not a trace
     raise pytest.UsageError(str(error)) from None
 
 DEVICE_GENERIC = {
-    "test_blocking", "test_checkpoint", "test_gpu", "test_host_sync",
+    "test_blocking", "test_checkpoint", "test_eigendecomposed", "test_gpu", "test_host_sync",
     "test_inverse_root_dtype", "test_kronecker", "test_linalg", "test_optimizer_behaviour",
     "test_parity_meta", "test_performance_options", "test_quantization",
-    "test_reference_equality", "test_step_time_benchmark", "test_torch_equivalence",
+    "test_reference_equality", "test_root_solvers", "test_step_time_benchmark",
+    "test_torch_equivalence",
     "test_validation",
 }
 
