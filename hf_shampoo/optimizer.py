@@ -371,13 +371,12 @@ class DistributedShampoo(torch.optim.Optimizer):
             pre_hook(self)
         state_dict = self._state_dict()
         tools = self.state.tool_entries()  # keys other code stored under a parameter
-        if tools:
-            index_of: dict[int, int] = {}
-            for param in self._all_params():  # torch's numbering: by identity, in order
-                index_of.setdefault(id(param), len(index_of))
+        if tools:  # under the numbers this state dict gives the parameters
+            numbers = [n for group in state_dict["param_groups"] for n in group["params"]]
+            number_of = dict(zip(map(id, self._all_params()), numbers))
             for key, entries in tools.items():
-                if key in index_of:
-                    state_dict["state"].setdefault(index_of[key], {}).update(entries)
+                if key in number_of:
+                    state_dict["state"].setdefault(number_of[key], {}).update(entries)
         state_dict["state"].update(self.state.foreign)  # keys that are not parameters
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -457,10 +456,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.state.foreign.update(foreign)
         if tools:  # keys other code stored under a parameter, by the saved groups' order
             params = self._all_params()
-            position: dict[Any, int] = {}
-            for i, pid in enumerate(pid for g in state_dict["param_groups"]
-                                    for pid in g["params"]):
-                position.setdefault(pid, i)
+            position = _saved_positions(state_dict)
             for saved_id, entries in tools.items():
                 if position.get(saved_id, len(params)) < len(params):
                     self.state[params[position[saved_id]]].update(entries)
@@ -540,23 +536,29 @@ def _split_tool_entries(state_dict: Any) -> tuple[Any, dict[Any, dict[str, Any]]
     return {**state_dict, "state": {pid: e for pid, e in kept.items() if e}}, tools
 
 
-def _saved_param_ids(state_dict: dict) -> set:
-    """Every id the saved groups list for their parameters (empty for a malformed state,
-    which ``unpack`` then refuses)."""
+def _saved_positions(state_dict: Any) -> dict[Any, int]:
+    """Each id the saved groups list for their parameters → its first position over all
+    groups (torch's numbering); empty for a malformed state, which ``unpack`` refuses."""
     try:
-        return {pid for group in state_dict["param_groups"] for pid in group["params"]}
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
     except (KeyError, TypeError):
-        return set()
+        return {}
+    position: dict[Any, int] = {}
+    for i, pid in enumerate(ids):
+        position.setdefault(pid, i)
+    return position
+
+
+def _saved_param_ids(state_dict: Any) -> set:
+    """Every id the saved groups list for their parameters."""
+    return set(_saved_positions(state_dict))
 
 
 def _saved_param_indices(state_dict: Any, count: int) -> set[int]:
     """The positions (torch's numbering over all groups) of the parameters that have state
     in ``state_dict``; nothing for a malformed one, which ``unpack`` then refuses."""
+    position = _saved_positions(state_dict)
     try:
-        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        position: dict[Any, int] = {}
-        for i, pid in enumerate(ids):
-            position.setdefault(pid, i)
         return {position[k] for k in state_dict["state"] if k in position
                 and position[k] < count}
     except (KeyError, TypeError):

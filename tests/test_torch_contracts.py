@@ -284,3 +284,26 @@ def test_a_state_that_names_its_parameters_loads_completely():
     _train(loaded_model, loaded, 4, seed=1)
     for p, q in zip(reference_model.parameters(), loaded_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_tool_keys_follow_the_state_dicts_numbering_with_a_repeated_tensor():
+    """torch numbers a parameter by its first position, so a tensor listed twice leaves a
+    gap: a tool's key under a later parameter is saved under that number and comes back
+    to that parameter."""
+    gen = generator(5)
+    p = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
+    q = torch.nn.Parameter(torch.randn(5, generator=gen))
+    with pytest.warns(UserWarning, match="duplicate"):
+        opt = DistributedShampoo([p, p, q], **CONFIG)
+    p.grad, q.grad = torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)
+    opt.step()
+    opt.state[q]["slow"] = torch.full((2,), 5.0)
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["params"] == [0, 0, 2]
+    assert torch.equal(saved["state"][2]["slow"], torch.full((2,), 5.0))
+    assert 1 not in saved["state"]
+    with pytest.warns(UserWarning, match="duplicate"):
+        other = DistributedShampoo([p, p, q], **CONFIG)
+    other.load_state_dict(saved)
+    assert torch.equal(other.state[q]["slow"], torch.full((2,), 5.0))
+    assert "slow" not in other.state[p]
