@@ -198,12 +198,17 @@ def stabilized_eigenvalues(eigenvalues: Tensor, group: dict) -> tuple[Tensor, Te
     return regularized_eigenvalues(eigenvalues, group["epsilon"]), None
 
 
+def drop_at_cutoff(inverse: Tensor, eigenvalues: Tensor, cutoff: Tensor | None) -> Tensor:
+    """``inverse`` (a power of ``eigenvalues``) with 0 where ``λ <= cutoff``: the directions
+    a pseudo-inverse drops (unchanged without a cutoff)."""
+    if cutoff is None:
+        return inverse
+    return torch.where(eigenvalues <= cutoff, torch.zeros_like(inverse), inverse)
+
+
 def inverse_power(eigenvalues: Tensor, exponent: float, cutoff: Tensor | None = None) -> Tensor:
     """``λ^(-exponent)``, 0 where ``λ <= cutoff`` (a pseudo-inverse's dropped directions)."""
-    out = power(eigenvalues, -exponent)
-    if cutoff is not None:
-        out = torch.where(eigenvalues <= cutoff, torch.zeros_like(out), out)
-    return out
+    return drop_at_cutoff(power(eigenvalues, -exponent), eigenvalues, cutoff)
 
 
 def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:

@@ -12,7 +12,6 @@ dtype and returned in the gradient's, as Meta does.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .. import linalg, root_solvers
@@ -63,9 +62,7 @@ class Shampoo(KroneckerFactored):
             lam, cutoff = linalg.stabilized_eigenvalues(plan.matrix + group["epsilon"], group)
             exponent = dim_exponents(group, stack.order)[plan.dim]
             root = job.state[f"inverse_root_{plan.dim}"]
-            inverse = lam.pow(-exponent)
-            if cutoff is not None:
-                inverse = torch.where(lam <= cutoff, torch.zeros_like(inverse), inverse)
+            inverse = linalg.drop_at_cutoff(lam.pow(-exponent), lam, cutoff)
             picked.put(root, plan.todo, inverse.to(root.dtype))
         plans = common.plan_dims(job, full, picked, workspace)
         if group["root_inverse"] != "eigh":  # coupled iterations: roots without eigenvectors
@@ -91,25 +88,22 @@ class Shampoo(KroneckerFactored):
         group = job.group
         exponent = dim_exponents(group, stack.order)[plan.dim]
         p = round(1 / exponent)
-        iterations = group["root_max_iterations"]
+        iterations, tolerance = group["root_max_iterations"], group["root_tolerance"]
         if group["root_inverse"] == "coupled_newton":
-            tolerance = group["root_tolerance"]
             x, ok = root_solvers.coupled_newton(
                 plan.matrix, p, group["epsilon"], iterations,
                 root_solvers.NEWTON_TOLERANCE if tolerance is None else tolerance)
         else:
-            tolerance = group["root_tolerance"]
             absolute = group["root_abs_epsilon"]
             x, ok = root_solvers.coupled_higher_order(
                 plan.matrix, p, group["root_rel_epsilon"],
                 group["epsilon"] if absolute is None else absolute, iterations,
                 root_solvers.HIGHER_ORDER_TOLERANCE if tolerance is None else tolerance,
                 group["root_order"])
-        ok_cpu = ok.cpu()
         local = ok.nonzero().flatten()
         root = job.state[f"inverse_root_{plan.dim}"]
         picked.put(root, local, (x if len(local) == len(x) else x[local]).to(root.dtype))
-        stack.count_failures(f"factor_matrix_{plan.dim}", ok_cpu,
+        stack.count_failures(f"factor_matrix_{plan.dim}", ok.cpu(),
                              [job.members[r] for r in picked.list], job.step,
                              what=f"inverse root ({group['root_inverse']})")
 
