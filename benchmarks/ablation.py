@@ -223,8 +223,10 @@ def resnet_task(args) -> Task:
                 lambda seed: make_resnet(seed, classes), batches, loss, evaluate, "test acc")
 
 
-def gpt2_task(args) -> Task:
-    train_tokens, val_tokens = text_tokens(args.text_dataset)
+def language_model_parts(args, train_tokens: torch.Tensor, val_tokens: torch.Tensor):
+    """``(batches, loss, evaluate)`` of a byte-level language-model task: random training
+    windows (fixed by the seed), the causal LM loss, the loss on ``--val-windows`` fixed
+    validation windows."""
     val_starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, args.val_windows).long()
     val_batch = windows_of(val_tokens, val_starts)
 
@@ -241,6 +243,11 @@ def gpt2_task(args) -> Task:
         with torch.no_grad():
             return {"val loss": model(input_ids=val_batch, labels=val_batch).loss.item()}
 
+    return batches, loss, evaluate
+
+
+def gpt2_task(args) -> Task:
+    batches, loss, evaluate = language_model_parts(args, *text_tokens(args.text_dataset))
     source = args.text_dataset or "Python's standard-library sources"
     return Task("gpt2", f"GPT-2 (2 layers, {args.gpt2_width} wide, byte-level, context "
                 f"{CONTEXT}) on {source}, batch {args.text_batch_size}",
@@ -250,23 +257,7 @@ def gpt2_task(args) -> Task:
 
 def lora_task(args) -> Task:
     base = lora_base(args.gpt2_width, args.lora_base_steps, args.text_batch_size)
-    train_tokens, val_tokens = docstring_tokens()
-    val_starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, args.val_windows).long()
-    val_batch = windows_of(val_tokens, val_starts)
-
-    def batches(seed: int, steps: int) -> list:
-        g = torch.Generator().manual_seed(seed + 1)
-        return [torch.randint(0, len(train_tokens) - CONTEXT, (args.text_batch_size,),
-                              generator=g) for _ in range(steps)]
-
-    def loss(model, starts):
-        batch = windows_of(train_tokens, starts)
-        return model(input_ids=batch, labels=batch).loss
-
-    def evaluate(model) -> dict[str, float]:
-        with torch.no_grad():
-            return {"val loss": model(input_ids=val_batch, labels=val_batch).loss.item()}
-
+    batches, loss, evaluate = language_model_parts(args, *docstring_tokens())
     sample = make_lora(base, 0)
     trainable = sum(p.numel() for p in sample.parameters() if p.requires_grad)
     total = sum(p.numel() for p in sample.parameters())
