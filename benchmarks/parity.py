@@ -39,6 +39,11 @@ class Case:
     meta: Callable[[], dict]  # Meta's DistributedShampoo keywords (built lazily)
     tolerance: float | None = None  # None: the run's (--tolerance, 1e-6 in the test)
     shapes: list | None = None  # None: SHAPES
+    lr_at: Callable[[int], float] | None = None  # a schedule: the lr of step t (0-based)
+    # iterate averaging: after these steps both switch to eval() and back to train(); with
+    # end_in_eval, both end in eval mode (the averaged weights are compared)
+    round_trips: tuple[int, ...] = ()
+    end_in_eval: bool = False
 
 
 def _common(**kw) -> dict:
@@ -121,10 +126,70 @@ def cases(m) -> list[Case]:
                     lambda: _common(grafting_config=grafting("adam"),
                                     preconditioner_config=shampoo_cfg(
                                         inverse_exponent_override={2: {0: 0.0}, 1: 0.3}))))
+    out += averaging_cases(m, out + corrected_cases(m, grafting, ours_grafting)
+                           + descent_cases(m, grafting, ours_grafting))
     return out + pseudo_inverse_cases(m, grafting, ours_grafting) + root_solver_cases(
         m, grafting, ours_grafting) + eigendecomposed_cases(
         m, grafting, ours_grafting) + corrected_cases(m, grafting, ours_grafting) + descent_cases(
         m, grafting, ours_grafting)
+
+
+def averaging_cases(m, base: list[Case]) -> list[Case]:
+    """``iterate_averaging="gpa"`` / ``"schedule_free"`` (Meta's
+    ``GeneralizedPrimalAveragingConfig`` / ``ScheduleFreeConfig``) on top of cases above:
+    several kinds, weight decay of each type that shrinks z, a varying lr (schedule-free
+    weighs steps by lr^p), eval()/train() round trips during the run, and the averaged
+    weights compared at the end."""
+    if not hasattr(m, "ScheduleFreeConfig"):
+        return []
+    from distributed_shampoo.shampoo_types import (GeneralizedPrimalAveragingConfig,
+                                                   ScheduleFreeConfig)
+    by_name = {case.name: case for case in base}
+
+    def lr_at(t: int) -> float:  # a warm-up and a decay, every value exact in float32
+        return 2.0**-7 * (min(t + 1, 4) / 4) * (1 - (t // 9) / 8)
+
+    variants = [
+        ("shampoo_graft_adam", "gpa", {}, False),
+        ("shampoo_graft_None", "gpa", dict(eval_interp_coeff=0.5, train_interp_coeff=1.0),
+         False),
+        ("shampoo_wd_decoupled", "gpa", {}, True),
+        ("shampoo_wd_corrected", "schedule_free", {}, True),
+        ("shampoo_wd_independent", "schedule_free", dict(train_interp_coeff=0.9), False),
+        ("shampoo_wd_l2", "schedule_free", dict(eval_coeff_lr_power=1), True),
+        ("shampoo_graft_adam", "schedule_free", {}, True),
+        ("soap_eigh_graft_adam", "schedule_free", {}, True),
+        ("soap_eigh_graft_None", "gpa", {}, True),
+        ("kl_shampoo_graft_adam", "gpa", {}, True),
+        ("spectral_ns_blocks_wd_nesterov", None, {}, True),
+        ("sign_descent", "schedule_free", {}, True),
+    ]
+    out = []
+    for base_name, mode, kw, scheduled in variants:
+        case = by_name.get(base_name)
+        if case is None:
+            continue
+        ours = {k: v for k, v in case.ours.items() if k not in ("momentum", "nesterov")}
+        if mode is None:  # a momentum case: GPA takes momentum's place
+            mode = "gpa"
+        ours.update(iterate_averaging=mode, **kw)
+        defaults = dict(train_interp_coeff=0.8)
+        if mode == "gpa":
+            defaults["eval_interp_coeff"] = 0.9
+        else:
+            defaults["eval_coeff_lr_power"] = 2
+        config = {k: kw.get(k, v) for k, v in defaults.items()}
+        cls = GeneralizedPrimalAveragingConfig if mode == "gpa" else ScheduleFreeConfig
+
+        def meta(case=case, cls=cls, config=config):
+            kwargs = case.meta()
+            kwargs["iterate_averaging_config"] = cls(**config)
+            return kwargs
+
+        out.append(Case(f"{mode}_{base_name}{'_scheduled' if scheduled else ''}", ours, meta,
+                        case.tolerance, case.shapes, lr_at if scheduled else None,
+                        round_trips=(5, 20), end_in_eval=True))
+    return out
 
 
 def eigendecomposed_cases(m, grafting, ours_grafting) -> list[Case]:
@@ -411,22 +476,32 @@ def run_case(case: Case, steps: int, seed: int = 0, device: str | None = None) -
     torch.set_default_dtype(F64)
     try:
         opt_meta = MetaShampoo(theirs, **case.meta())
-        for step in range(steps):
-            for p, q, grad in zip(ours, theirs, grads[step]):
-                p.grad, q.grad = grad.clone(), grad.clone()
-            opt_meta.step()
+        _run(opt_meta, theirs, grads, case)
     finally:
         torch.set_default_dtype(previous)
-    for step in range(steps):
-        for p, grad in zip(ours, grads[step]):
-            p.grad = grad.clone()
-        opt_ours.step()
+    _run(opt_ours, ours, grads, case)
     error = 0.0
     for p, q, w in zip(ours, theirs, initial):
         movement = (q.detach() - w).norm()
         if movement > 0:
             error = max(error, float((p.detach() - q.detach()).norm() / movement))
     return error
+
+
+def _run(optimizer, params, grads, case: Case) -> None:
+    """The case's steps (its lr schedule, its eval()/train() round trips)."""
+    for step, step_grads in enumerate(grads):
+        if case.lr_at is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = case.lr_at(step)
+        for p, grad in zip(params, step_grads):
+            p.grad = grad.clone()
+        optimizer.step()
+        if step in case.round_trips:
+            optimizer.eval()
+            optimizer.train()
+    if case.end_in_eval:
+        optimizer.eval()
 
 
 def load_meta(path: str | None):

@@ -66,6 +66,10 @@ DEFAULTS: dict[str, Any] = {
     "root_order": 3,
     "root_rel_epsilon": 0.0,
     "root_abs_epsilon": None,
+    "iterate_averaging": None,
+    "eval_interp_coeff": 0.9,
+    "train_interp_coeff": 0.8,
+    "eval_coeff_lr_power": 2,
 }
 
 WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
@@ -105,6 +109,9 @@ RANK_DEFICIENT_MODES = ("perturbation", "pseudo_inverse")
 # matrix products only, root_solvers.py). root_tolerance None: Meta's 1e-6 / 1e-8;
 # root_abs_epsilon None: the group's epsilon.
 ROOT_INVERSES = ("eigh", "coupled_newton", "coupled_higher_order")
+# Iterate averaging (averaging.py; Meta's GeneralizedPrimalAveragingConfig / ScheduleFreeConfig):
+# the parameters hold y (where gradients are taken) in train mode, the average x in eval mode.
+ITERATE_AVERAGINGS = (None, "gpa", "schedule_free")
 EIGENDECOMPOSITIONS = ("eigh", "qr")
 # Eigenvalue-corrected refreshes (docs/design.md §3): "meta" = Meta's numbers (eigh's
 # ascending basis, QR in the rotated frame from the kept basis, D never permuted);
@@ -152,11 +159,13 @@ LAYOUT_KEYS = (
     "quantization",
     "vector_preconditioner",
     "diagonal_aspect",
+    "iterate_averaging",
 )
 
 # Entries other tools put into param groups (torch schedulers, timm, transformers): allowed.
 FOREIGN_GROUP_KEYS = frozenset(
-    {"params", "param_names", "initial_lr", "lr_scale", "name", "layer_id", "step", "peak_lr"}
+    {"params", "param_names", "initial_lr", "lr_scale", "name", "layer_id", "step", "peak_lr",
+     "train_mode", "lr_sum"}
 )
 
 
@@ -285,6 +294,7 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_rank_deficient(group)
     _check_root_inverse(group)
     _check_real("momentum", group["momentum"], 0.0, 1.0, high_open=True)
+    _check_iterate_averaging(group)
     _check_real("dampening", group["dampening"], 0.0, 1.0)
     if not isinstance(group["nesterov"], bool):
         _fail("nesterov", group["nesterov"], "expected True or False")
@@ -411,6 +421,20 @@ def _check_rank_deficient(group: dict[str, Any]) -> None:
               f"preconditioner {', '.join(map(repr, roots))}: with "
               f"{group['preconditioner']!r}, epsilon is the corrected second moment's and "
               "must be > 0; expected 'perturbation' here")
+
+
+def _check_iterate_averaging(group: dict[str, Any]) -> None:
+    """``iterate_averaging`` and its coefficients (Meta's ranges); it replaces momentum, as
+    Meta's one ``iterate_averaging_config`` holds either classic momentum or averaging."""
+    mode = group["iterate_averaging"]
+    _check_choice("iterate_averaging", mode, ITERATE_AVERAGINGS)
+    _check_real("eval_interp_coeff", group["eval_interp_coeff"], 0.0, 1.0, high_open=True)
+    _check_real("train_interp_coeff", group["train_interp_coeff"], 0.0, 1.0, low_open=True)
+    _check_real("eval_coeff_lr_power", group["eval_coeff_lr_power"], 0.0, math.inf)
+    if mode is not None and group["momentum"] > 0:
+        _fail("momentum", group["momentum"], f"iterate_averaging={mode!r} is the momentum of "
+              "the averaged sequences (train_interp_coeff=1.0 with 'gpa' is heavy ball): "
+              "expected 0.0 with it")
 
 
 def _check_root_inverse(group: dict[str, Any]) -> None:

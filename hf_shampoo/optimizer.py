@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import pipeline
+from . import averaging, pipeline
 from .blocking import ParamBlocking, is_vector_like
 from .checkpoint import layout as checkpoint
 from .checkpoint.consolidate import gather_state
@@ -97,6 +97,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         root_order: int = DEFAULTS["root_order"],
         root_rel_epsilon: float = DEFAULTS["root_rel_epsilon"],
         root_abs_epsilon: float | None = DEFAULTS["root_abs_epsilon"],
+        iterate_averaging: str | None = DEFAULTS["iterate_averaging"],
+        eval_interp_coeff: float = DEFAULTS["eval_interp_coeff"],
+        train_interp_coeff: float = DEFAULTS["train_interp_coeff"],
+        eval_coeff_lr_power: float = DEFAULTS["eval_coeff_lr_power"],
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -173,6 +177,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 )
         group.setdefault("peak_lr", float(merged["lr"]))
         group.setdefault("step", 0)
+        if merged["iterate_averaging"] is not None:  # saved with the groups (averaging.py)
+            group.setdefault("train_mode", True)
+            group.setdefault("lr_sum", 0.0)
         super().add_param_group(group)
         if self._layout is not None:
             self._layout = None if not any(s.state for s in self._layout.owned) else \
@@ -320,6 +327,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         factors before any state or parameter changes; compute every owned block's
         direction ``-lr * P``; the distributor shares the directions and applies them.
         """
+        self._refuse_eval_mode()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -339,11 +347,75 @@ class DistributedShampoo(torch.optim.Optimizer):
         jobs = pipeline.gather_gradients(layout, groups, steps, active, distributor,
                                          self._stacked_params)
         pipeline.check_refreshed_factors(jobs, layout, groups, steps, active, distributor)
+        averaged = [averaging.step_coefficients(group) for group in groups]
+        for stack, job in jobs:
+            job.averaging = averaged[stack.group_index][0]
         pipeline.compute_directions(jobs, self._workspace, self._stacked_params)
         distributor.finish_step(layout, active)
-        for group, t in zip(groups, steps):
+        for group, t, (_, lr_sum) in zip(groups, steps, averaged):
             group["step"] = t
+            if lr_sum is not None:
+                group["lr_sum"] = lr_sum
         return loss
+
+    # ------------------------------------------------------------------ averaging modes
+    @torch.no_grad()
+    def train(self) -> None:
+        """Parameters to the sequence gradients are taken at (``y``), for the groups with
+        ``iterate_averaging``; nothing for the others or if already there. Under DDP / FSDP
+        every rank calls it (a collective, as a step). The Trainer calls it before every
+        training step."""
+        self._switch_mode(to_train=True)
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        """Parameters to the averaged sequence (``x``) for evaluation and saving, for the
+        groups with ``iterate_averaging``; ``train()`` goes back (the Trainer calls this
+        before evaluating). A ``step()`` in eval mode raises. Every rank calls it."""
+        self._switch_mode(to_train=False)
+
+    def _refuse_eval_mode(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            if averaging.enabled(group) and not averaging.in_train_mode(group):
+                raise RuntimeError(
+                    f"DistributedShampoo: step() in eval mode: parameter group {gi} uses "
+                    f"iterate_averaging={group['iterate_averaging']!r} and its parameters "
+                    "hold the averaged weights; call optimizer.train() before training "
+                    "(nothing was changed)"
+                )
+
+    def _switch_mode(self, to_train: bool) -> None:
+        """Move every block of the groups whose mode differs by ``c · D`` (averaging.py):
+        each owner writes its blocks' moves, the distributor shares and adds them."""
+        groups = [gi for gi, group in enumerate(self.param_groups)
+                  if averaging.enabled(group) and averaging.in_train_mode(group) != to_train]
+        if not groups:
+            return
+        layout = self._layout  # None before the first step: z = y = x, nothing moves
+        if layout is not None and (self._distributor.world_size > 1
+                                   or any(s.state for s in layout.owned)):
+            layout = self._ensure_layout()
+            distributor = self._distributor
+            if distributor.needs_reallocation(layout.stacks):
+                distributor.allocate_directions(layout.stacks)
+            moving = {id(s): list(range(len(s.members))) if s.group_index in groups else []
+                      for s in layout.stacks}
+            for stack in layout.owned:
+                if stack.group_index not in groups:
+                    continue
+                offset = stack.state.get(averaging.STATE)
+                if offset is None:  # no step yet: z = y = x
+                    stack.directions.zero_()
+                    continue
+                c, k = averaging.switch_coefficients(stack.settings(self.param_groups),
+                                                     to_train)
+                torch.mul(offset, c, out=stack.directions)
+                if k is not None:
+                    offset.mul_(k)
+            distributor.apply_outside_step(layout, moving)
+            self._consolidated = None
+        for gi in groups:
+            self.param_groups[gi]["train_mode"] = to_train
 
     def _stacked_params(self, stack: BlockStack, active: list[int]) -> Tensor:
         """The members' parameter blocks, stacked into workspace memory (used at once)."""

@@ -12,6 +12,7 @@ kind) and the shared ``stages``. State names (also the checkpoint keys, see
 - ``eigenvectors_{j}``: ``Q_j`` (eigenvalue-corrected; shampoo with qr or a tolerance)
 - ``corrected_eigenvalues``: ``D`` (eigenvalue-corrected)
 - ``grafting_state``: ``V``; ``filtered_grad``: ``M``; ``momentum``: ``B``
+- ``iterate_offset``: ``D = z - y`` (iterate averaging, ``averaging.py``)
 
 Intermediate results of a step live in a ``Workspace`` shared by all stacks, and the
 stacked gradients in a buffer per stack, so that a steady step allocates nothing.
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import stages
+from . import averaging, stages
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
 
@@ -77,6 +78,8 @@ class StackStep:
     new_factors: dict[str, Tensor] | None = None  # checked factors of every row, to adopt
     offsets: list[int] = field(default_factory=list)  # per row: its refresh schedule offset
     cache: dict = field(default_factory=dict)  # the kind's values shared within this step
+    # iterate averaging's (1 - μ_x μ_y, 1 - μ_x, float32 lr) this step (averaging.py)
+    averaging: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -196,6 +199,10 @@ class BlockStack:
         # lines 6–8: weight decay, momentum, -lr
         stages.finish_direction(state, group, direction, scale, direction is not filtered,
                                 job.param, lr, out, scratch("direction"))
+        # line 9: iterate averaging turns z's step into the parameters' (y's) step
+        if job.averaging is not None:
+            decay = averaging.decay_factor(job.averaging[2], stages.decoupled_decay_factor(group))
+            averaging.apply(state, job.averaging, decay, job.param, out, scratch("averaged"))
 
     def count_failures(self, name: str, ok: Tensor, members: list[int], step: int,
                        what: str = "eigendecomposition") -> None:

@@ -3,8 +3,9 @@
 Each works on a stack of same-shape blocks (leading dim: the block) and the stack's state
 dict, in place where it can: grafting state (line 3), the filtered gradient (line 4),
 grafting a direction (line 5), weight decay folded into the direction (line 6), classic
-momentum (line 7) and the ``-lr`` scaling (line 8). The kind-specific parts (statistics,
-refresh, preconditioning) live in ``preconditioners/``.
+momentum (line 7) and the ``-lr`` scaling (line 8); iterate averaging (line 9) is
+``averaging.py``. The kind-specific parts (statistics, refresh, preconditioning) live in
+``preconditioners/``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def state_shapes(group: dict, shape: tuple[int, ...], dtype: torch.dtype) -> dic
         shapes["filtered_grad"] = (shape, dtype)
     if group["momentum"] > 0:
         shapes["momentum"] = (shape, dtype)
+    if group["iterate_averaging"] is not None:
+        shapes["iterate_offset"] = (shape, dtype)  # averaging.py's D = z - y
     return shapes
 
 
@@ -129,9 +132,10 @@ def finish_direction(
 
     ``owned``: whether ``direction`` may be modified (else it is first copied into
     ``copy_into``). ``param``: the stacked parameters (modified) when decay needs them.
-    Without decay and momentum, the grafting scale and ``-lr`` are one pass.
+    Without decay and momentum, the grafting scale and ``-lr`` are one pass. With iterate
+    averaging, decoupled decay shrinks ``z`` instead (``averaging.apply``), as in Meta.
     """
-    alpha = decoupled_decay_factor(group)
+    alpha = None if group["iterate_averaging"] is not None else decoupled_decay_factor(group)
     mu = group["momentum"]
     if alpha is None and mu == 0:
         if scale is None:

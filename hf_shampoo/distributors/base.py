@@ -128,6 +128,11 @@ class Distributor:
         self.all_gather()
         apply_directions(layout, active, self.local)
 
+    def apply_outside_step(self, layout, moving: dict[int, list[int]]) -> None:
+        """Share the owners' ``directions`` of the ``moving`` members and add them to their
+        parameters, outside a step (``optimizer.train()`` / ``eval()``); every rank calls it."""
+        self.finish_step(layout, moving)
+
     def all_gather(self) -> None:
         """Fill every rank's direction buffers with the owners' directions."""
         raise NotImplementedError

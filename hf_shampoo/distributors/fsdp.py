@@ -409,6 +409,10 @@ class ShardedDistributor(Distributor):
             return out.copy_(buffer)
         return torch.index_select(buffer, 0, torch.tensor(active, device=buffer.device), out=out)
 
+    def apply_outside_step(self, layout, moving: dict[int, list[int]]) -> None:
+        self._active = {(id(s), m) for s in layout.stacks for m in moving[id(s)]}
+        self.finish_step(layout, moving)
+
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
         """Direction rows → every rank holding them; add them to the local shards."""
         comm = self.communication_dtype
