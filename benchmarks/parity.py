@@ -142,8 +142,6 @@ def averaging_cases(m, base: list[Case]) -> list[Case]:
     weights compared at the end."""
     if not hasattr(m, "ScheduleFreeConfig"):
         return []
-    from distributed_shampoo.shampoo_types import (GeneralizedPrimalAveragingConfig,
-                                                   ScheduleFreeConfig)
     by_name = {case.name: case for case in base}
 
     def lr_at(t: int) -> float:  # a warm-up and a decay, every value exact in float32
@@ -179,7 +177,7 @@ def averaging_cases(m, base: list[Case]) -> list[Case]:
         else:
             defaults["eval_coeff_lr_power"] = 2
         config = {k: kw.get(k, v) for k, v in defaults.items()}
-        cls = GeneralizedPrimalAveragingConfig if mode == "gpa" else ScheduleFreeConfig
+        cls = m.GeneralizedPrimalAveragingConfig if mode == "gpa" else m.ScheduleFreeConfig
 
         def meta(case=case, cls=cls, config=config):
             kwargs = case.meta()
