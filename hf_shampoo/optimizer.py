@@ -414,8 +414,14 @@ class DistributedShampoo(torch.optim.Optimizer):
                     offset.mul_(k)
             distributor.apply_outside_step(layout, moving)
             self._consolidated = None
-        for gi in groups:
-            self.param_groups[gi]["train_mode"] = to_train
+        self._mark_mode(to_train)
+
+    def _mark_mode(self, to_train: bool) -> None:
+        """Record the mode of every averaging group without moving a parameter (the caller
+        moved them, or put weights of that mode in place, as ``load_best_model_at_end``)."""
+        for group in self.param_groups:
+            if averaging.enabled(group):
+                group["train_mode"] = to_train
 
     def _stacked_params(self, stack: BlockStack, active: list[int]) -> Tensor:
         """The members' parameter blocks, stacked into workspace memory (used at once)."""

@@ -80,11 +80,33 @@ SCENARIOS: dict[str, dict] = {
                                 matrices_svd=True),
     "sign_descent_l1": dict(lr=0.01, preconditioner="sign_descent", sign_scale="l1",
                             momentum=0.5, max_preconditioner_dim=16),
+    # iterate averaging: eval() after the steps of eval_after (parameter 1 has no gradient
+    # at steps 2 and 3), train() before every step, as the Trainer does
+    "gpa_decoupled": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                          max_preconditioner_dim=16, weight_decay=0.05,
+                          iterate_averaging="gpa", eval_after=(2, 5, 6)),
+    "schedule_free_soap": dict(lr=0.01, betas=(0.9, 0.99), epsilon=1e-8,
+                               preconditioner="eigenvalue_corrected", precondition_frequency=2,
+                               max_preconditioner_dim=16, iterate_averaging="schedule_free",
+                               weight_decay=0.01, weight_decay_type="corrected",
+                               eval_after=(3, 5, 6)),
 }
 
 
 # scenarios saved at step 3 on one world size and resumed on another
-CHECKPOINTED = ("shampoo_adam", "muon")
+CHECKPOINTED = ("shampoo_adam", "muon", "schedule_free_soap")
+
+
+def before_step(opt, config: dict) -> None:
+    """``optimizer.train()`` before every step of an iterate-averaging scenario."""
+    if "eval_after" in config:
+        opt.train()
+
+
+def after_step(opt, config: dict, step: int) -> None:
+    """``optimizer.eval()`` after the steps of the scenario's ``eval_after``."""
+    if step in config.get("eval_after", ()):
+        opt.eval()
 
 
 def optimizer_for(params, config: dict, **extra) -> DistributedShampoo:
@@ -92,6 +114,7 @@ def optimizer_for(params, config: dict, **extra) -> DistributedShampoo:
     of fewer than 2 dims into a second group with those keywords (spectral descent takes
     matrices only); ``matrices_svd`` adds an SVD group for every other matrix."""
     config = {**config, **extra}
+    config.pop("eval_after", None)
     vectors = config.pop("vectors", None)
     svd = config.pop("matrices_svd", False)
     if vectors is None:
@@ -144,7 +167,9 @@ def train(config: dict, steps: int = STEPS, shapes=SHAPES, params=None, optimize
     with small_factors_quantized(config):
         for step in range(first_step, first_step + steps):
             set_grads(params, step)
+            before_step(opt, config)
             opt.step()
+            after_step(opt, config, step)
     return params, opt
 
 

@@ -36,7 +36,7 @@ SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (
     "shampoo_adam", "eigen_qr", "rmsprop_nesterov_l2", "adagrad_corrected_beta3",
     "staggered_eigen_qr", "bf16_communication", "shampoo_4bit", "eigen_qr_4bit", "muon",
     "muon_whole_bf16_svd", "sign_descent_l1", "diagonal_long_side", "kl_pseudo_inverse",
-    "higher_order_roots", "eigendecomposed_kl_qr")}
+    "higher_order_roots", "eigendecomposed_kl_qr", "gpa_decoupled", "schedule_free_soap")}
 SCENARIOS["decoupled_momentum"] = dict(lr=0.01, grafting="adam", momentum=0.5,
                                        weight_decay=0.05, precondition_frequency=2,
                                        max_preconditioner_dim=16)
@@ -105,7 +105,9 @@ def train_one_process(config: dict, steps: int = STEPS, shapes=SHAPES):
         for step in range(1, steps + 1):
             for p, grad in zip(params, full_grads(step, shapes)):
                 p.grad = grad
+            ddp_worker.before_step(opt, config)
             opt.step()
+            ddp_worker.after_step(opt, config, step)
     return [p.detach() for p in params]
 
 
@@ -116,7 +118,9 @@ def train(mesh, config: dict, steps: int = STEPS, params=None, optimizer=None,
     with ddp_worker.small_factors_quantized(config):
         for step in range(first_step, first_step + steps):
             set_sharded_grads(params, mesh, step)
+            ddp_worker.before_step(opt, config)
             opt.step()
+            ddp_worker.after_step(opt, config, step)
             if between is not None:
                 between(step, params, opt)
     return params, opt

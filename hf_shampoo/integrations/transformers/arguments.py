@@ -83,6 +83,8 @@ _OPTIONAL_TYPES = {
     "rank_rtol": float,
     "root_tolerance": float,
     "root_abs_epsilon": float,
+    "iterate_averaging": str,
+    "eval_coeff_lr_power": float,
 }
 
 

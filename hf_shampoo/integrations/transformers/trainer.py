@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..accelerate import consolidate
+from ..accelerate import consolidate, find_shampoo
 from ..modules import PRESETS
 from .arguments import (
     OPTIMIZER_NAMES,
@@ -44,6 +44,23 @@ def save_ranks(args: Any) -> list[int]:
     return [0]
 
 
+def averaged_weights_after_training(optimizer: Any, args: Any, state: Any) -> None:
+    """With ``iterate_averaging``, leave the model holding the averaged weights ``x`` when
+    training ends, so that ``trainer.save_model()`` and later evaluation use them (the
+    Trainer itself switches only around evaluations and training steps; the next training
+    step switches back). After ``load_best_model_at_end`` the model already holds a saved
+    evaluation's averaged weights: the optimizer is only marked as in eval mode."""
+    shampoo = find_shampoo(optimizer) if optimizer is not None else None
+    if shampoo is None:
+        return
+    best_loaded = bool(getattr(args, "load_best_model_at_end", False)
+                       and getattr(state, "best_model_checkpoint", None))
+    if best_loaded:
+        shampoo._mark_mode(to_train=False)
+    else:
+        shampoo.eval()
+
+
 _classes: dict[str, type] = {}
 
 
@@ -66,7 +83,9 @@ def classes() -> dict[str, type]:
         each node's first rank with ``save_on_each_node``). With ``save_strategy="best"``
         it consolidates at every
         evaluation, since whether to save is decided after it. It also validates
-        ``optim_args`` when the Trainer is built. Other optimizers are left alone.
+        ``optim_args`` when the Trainer is built, and with ``iterate_averaging`` leaves the
+        averaged weights in the model when training ends
+        (``averaged_weights_after_training``). Other optimizers are left alone.
         """
 
         def on_init_end(self, args, state, control, **kwargs):
@@ -82,6 +101,9 @@ def classes() -> dict[str, type]:
 
         def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
             self._consolidate_if_saving(args, control, optimizer)
+
+        def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+            averaged_weights_after_training(optimizer, args, state)
 
     class ShampooTrainer(Trainer):
         """A ``Trainer`` that always trains with ``DistributedShampoo``.
