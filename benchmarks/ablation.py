@@ -19,11 +19,12 @@ by name or a ``save_to_disk`` directory instead):
 Optimizers: AdamW, SGD with Nesterov momentum (ResNet only), Shampoo with Adam grafting,
 eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo, and on GPT-2 Muon twice:
 ours (``make_optimizer(model, preset="muon")``) and torch.optim.Muon on the hidden matrices
-with AdamW on the rest, as users combine them by hand; on LoRA: AdamW, Shampoo on
+with AdamW on the rest, as users combine them by hand, and schedule-free Shampoo (constant
+lr after the warm-up, evaluated at its averaged weights); on LoRA: AdamW, Shampoo on
 ``model.parameters()`` (full factors on both sides of each adapter), Shampoo by
 ``make_optimizer`` (the presets' adapter rule: the long side diagonal) and SOAP. Every run
 uses a linear
-warm-up over the first 5 % of steps and a cosine decay to zero. The learning rate of each
+warm-up over the first 5 % of steps and a cosine decay to zero (schedule-free: no decay). The learning rate of each
 optimizer is the value with the lowest mean training loss over the last 20 % of steps
 (seed 0) among a grid (1e-3, 3e-3, 1e-2; SGD 0.03, 0.1, 0.3) extended along the 1-3-10
 ladder while the best value is at its edge (``--max-lr-points``); the test/validation data
@@ -90,6 +91,9 @@ class Optimizer:
     lrs: tuple[float, ...] = LRS
     tasks: tuple[str, ...] = ("resnet", "gpt2")
     default: bool = True  # False: runs only when named in --optimizers
+    # "cosine": warm-up then cosine decay to zero; "constant": the same warm-up, then the
+    # peak lr to the end (schedule-free runs, evaluated at their averaged weights)
+    schedule: str = "cosine"
 
     def build(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         params = model.parameters()
@@ -131,6 +135,11 @@ OPTIMIZERS["Muon (hf_shampoo, muon preset)"] = Optimizer(
     "muon", dict(betas=(0.9, 0.999), grafting_beta2=0.999, grafting_epsilon=1e-8,
                  weight_decay=1e-4), tasks=("gpt2",))
 OPTIMIZERS["torch.optim.Muon + AdamW"] = Optimizer("torch_muon", tasks=("gpt2",))
+# schedule-free Shampoo (Meta's ScheduleFreeConfig): no decay, evaluated at the averaged
+# weights (optimizer.eval()); the averaging takes the place of beta1's filter
+OPTIMIZERS["Shampoo schedule-free (constant lr)"] = Optimizer(
+    "shampoo", dict(SHAMPOO, betas=(0.0, 0.999), iterate_averaging="schedule_free"),
+    tasks=("gpt2",), schedule="constant")
 BASE = "Shampoo (Adam grafting)"
 
 
@@ -301,12 +310,16 @@ def state_mib(opt: torch.optim.Optimizer) -> float:
 
 
 # --------------------------------------------------------------------------- training
-def warmup_cosine(steps: int) -> Callable[[int], float]:
+def warmup_cosine(steps: int, decay: bool = True) -> Callable[[int], float]:
+    """A linear warm-up over the first 5 % of steps, then a cosine decay to zero (or, with
+    ``decay=False``, the peak lr to the end)."""
     warmup = max(1, steps // 20)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if not decay:
+            return 1.0
         return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     return factor
@@ -317,7 +330,8 @@ def train(task: Task, optimizer: Optimizer, lr: float, seed: int, steps: int) ->
     non-finite loss ends the run (``diverged``)."""
     model = task.model(seed)
     opt = optimizer.build(model, lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine(steps, decay=optimizer.schedule == "cosine"))
     losses, seconds = [], []
     start = time.process_time()
     for batch in task.batches(seed, steps):
@@ -332,6 +346,8 @@ def train(task: Task, optimizer: Optimizer, lr: float, seed: int, steps: int) ->
         schedule.step()
         losses.append(value)
         seconds.append(time.process_time() - start)
+    if hasattr(opt, "eval"):  # iterate averaging: evaluate the averaged weights
+        opt.eval()
     metrics = task.evaluate(model)
     if task.measure_state:
         metrics["optimizer state MiB"] = state_mib(opt)
