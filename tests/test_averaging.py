@@ -278,3 +278,22 @@ def test_trainer_trains_at_y_evaluates_and_ends_at_the_averaged_weights(tmp_path
     saved = GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
     for a, b in zip(saved.parameters(), x):
         assert torch.equal(a.detach(), b)
+
+
+def test_accelerate_wrapper_forwards_train_and_eval():
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = DistributedShampoo(model.parameters(), lr=0.01, grafting="adam",
+                             iterate_averaging="gpa")
+    model, wrapped = Accelerator(cpu=True).prepare(model, opt)
+    model(torch.randn(8, 4)).square().mean().backward()
+    wrapped.step()
+    y = [p.detach().clone() for p in model.parameters()]
+    wrapped.eval()
+    assert opt.param_groups[0]["train_mode"] is False
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), y))
+    wrapped.train()
+    assert opt.param_groups[0]["train_mode"] is True
