@@ -38,6 +38,8 @@ from .shampoo import Shampoo
 
 # Björck steps after dequantising eigenvectors to rebuild a factor (the paper's t1)
 REBUILD_BJORCK_STEPS = 1
+import os  # noqa: E402
+TRACK = os.environ.get("HF_SHAMPOO_TRACK", "0") == "1"
 
 
 class QuantizedFactors:
@@ -56,7 +58,36 @@ class QuantizedFactors:
         shapes = super().state_shapes(stack, group)
         shapes.update(self.vector_and_matrix_shapes(stack, group, "factor_eigenvalues_{}",
                                                     "factor_eigenvectors_{}"))
+        if TRACK:
+            for j in self.quantized_dims(stack, group):
+                shapes[f"factor_tracked_{j}"] = ((stack.shape[j],), torch.float32)
         return shapes
+
+    def basis_energy(self, g: Tensor, v: Tensor, dim: int) -> Tensor:
+        """``diag(Vᵀ G_(dim) G_(dim)ᵀ V)`` per row: the gradient's energy along each kept
+        eigenvector."""
+        n, d = g.shape[0], g.shape[dim + 1]
+        unfolded = g.movedim(dim + 1, 1).reshape(n, d, -1)
+        return torch.matmul(v.mT, unfolded).square_().sum(-1)
+
+    def track_statistics(self, stack, job, rows: list[int]) -> None:
+        """Between samples, the diagonal of every step's ``G Gᵀ`` in the kept basis, as an
+        EMA (``factor_tracked_{j}``), for ``rows``."""
+        group, state = job.group, job.state
+        beta2 = group["betas"][1]
+        weight = 1.0 if beta2 == 1.0 else 1.0 - beta2
+        full = len(rows) == job.grad.shape[0]
+        index = None if full else torch.tensor(rows, device=job.grad.device)
+        g = job.grad.to(torch.float32)
+        g = g if full else g[index]
+        for j in self.quantized_dims(stack, group):
+            v = self.eigenvectors(state, j, stack.shape[j], index)
+            energy = self.basis_energy(g, v, j)
+            tracked = state[f"factor_tracked_{j}"]
+            if full:
+                tracked.mul_(beta2).add_(energy, alpha=weight)
+            else:
+                tracked[index] = tracked[index].mul_(beta2).add_(energy, alpha=weight)
 
     def vector_and_matrix_shapes(self, stack, group: dict, vector: str, matrix: str) -> dict:
         """For each quantised dim ``j`` of size ``d``: a float32 ``d``-vector named
@@ -135,12 +166,21 @@ class QuantizedFactors:
             outer = update_factor(g.new_zeros(len(rows), d, d), g, j, 0.0)  # G Gᵀ
             # before the first sample λ = 0, so the rebuilt factor is 0
             v = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
-            lam = state[f"factor_eigenvalues_{j}"][index]
+            lam = state[f"factor_eigenvalues_{j}"][index].clamp_min(0).mul(keep.view(-1, 1))
+            if TRACK:
+                # the diagonal in the kept basis is every step's (tracked since the last
+                # sample, and this step's at its own weight); the sample's G Gᵀ stands for
+                # the Δ steps' off-diagonal only
+                beta2_w = 1.0 if beta2 == 1.0 else beta2
+                energy = self.basis_energy(g, v, j)
+                extra = (weight - (1.0 if beta2 == 1.0 else 1.0 - beta2)).view(-1, 1)
+                lam = (lam + beta2_w * state[f"factor_tracked_{j}"][index]
+                       - extra * energy).clamp_min_(0)
             # V diag(λ) Vᵀ = C Cᵀ with C = V diag(√λ), as a symmetric product (λ of a
             # positive semi-definite factor; eigh's round-off below 0 is dropped)
-            scaled = v * lam.clamp_min(0).sqrt().unsqueeze(-2)
+            scaled = v * lam.sqrt().unsqueeze(-2)
             previous = linalg.syrk(torch.empty_like(scaled), scaled)
-            factors[j] = previous.mul_(keep).add_(outer.mul_(weight))
+            factors[j] = previous.add_(outer.mul_(weight))
         return factors
 
     def checked_factors(self, stack, job) -> dict[str, Tensor]:
@@ -166,6 +206,11 @@ class QuantizedFactors:
                                if not k.startswith("sampled_factor_")}
         super().update_statistics(stack, job, g, scratch)
         rows = self.sample_rows(job)
+        if TRACK:
+            sampled = set(rows) | set(job.refresh_rows)
+            others = [r for r in range(job.grad.shape[0]) if r not in sampled]
+            if others:
+                self.track_statistics(stack, job, others)
         if rows:  # a sample between refreshes: new eigenvectors, no root
             self.refresh_quantized(stack, job, rows, self.descending(job.group))
 
@@ -206,6 +251,8 @@ class QuantizedFactors:
                         group["orthogonalization"])
                 ok = (linalg.finite_rows(vectors) & linalg.finite_rows(values)).cpu()
             done = ok.nonzero().flatten().to(index.device)
+            if TRACK:  # the sample took what was tracked since the last one
+                state[f"factor_tracked_{j}"][index] = 0.0
             if len(done) > 0:
                 state[f"factor_eigenvalues_{j}"][index[done]] = values[done].float()
                 quantization.store(state, f"factor_eigenvectors_{j}",

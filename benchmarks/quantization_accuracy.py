@@ -1,0 +1,195 @@
+"""Where 4-bit Shampoo loses accuracy, and whether a change wins it back.
+
+``roots``: trains the small GPT-2 with 32-bit Shampoo and, at every refresh, takes each
+factor large enough to be quantised (``d² ≥ 4096``) and compares its inverse root
+``I = (A + εI)^(-1/4)`` with two 4-bit representations of it, for several ε: the root
+stored as a float32 diagonal and a 4-bit off-diagonal (what ``quantization="4bit"`` keeps),
+and the root rebuilt from 4-bit eigenvectors (after Björck steps) and float32 eigenvalues
+(what arXiv 2405.18144 keeps). Printed: the median and worst relative errors of the root
+(Frobenius) and of the preconditioned gradient ``I G`` along the run.
+
+``train``: the small GPT-2 (the ablation's task) trained by several configurations at
+given peak learning rates, with a warm-up + cosine schedule or at a constant lr after the
+warm-up, for several seeds; prints the validation loss of each and its difference to
+32-bit Shampoo.
+
+    python benchmarks/quantization_accuracy.py roots --steps 300 --lr 1e-2
+    python benchmarks/quantization_accuracy.py train --lrs 3e-3 1e-2 --seeds 0 1 2 \
+        --schedules cosine constant --configs 32-bit 4-bit
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ablation import language_model_parts, warmup_cosine  # noqa: E402
+from common import hardware  # noqa: E402
+from tasks import make_gpt2, text_tokens  # noqa: E402
+
+from hf_shampoo import DistributedShampoo, linalg, quantization  # noqa: E402
+
+# the configuration of the report: Adam grafting, ε 1e-12, f = 10, blocks of 256
+BASE = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
+            grafting_epsilon=1e-8, weight_decay=1e-4, max_preconditioner_dim=256,
+            precondition_frequency=10)
+CONFIGS = {
+    "32-bit": dict(BASE),
+    "4-bit": dict(BASE, quantization="4bit"),
+    "4-bit every 2": dict(BASE, quantization="4bit", statistics_frequency=2),
+    "4-bit every 1": dict(BASE, quantization="4bit", statistics_frequency=1),
+    "SOAP 32-bit": dict(BASE, preconditioner="eigenvalue_corrected", epsilon=1e-8,
+                        grafting=None),
+    "SOAP 4-bit": dict(BASE, preconditioner="eigenvalue_corrected", epsilon=1e-8,
+                       grafting=None, quantization="4bit", statistics_frequency=1),
+}
+
+
+class Args:
+    val_windows = 128
+    text_batch_size = 16
+
+
+def root_errors(factor: torch.Tensor, bias: float, epsilon: float, g: torch.Tensor,
+                bjorck_steps: int) -> dict[str, tuple[float, float]]:
+    """(root error, direction error) of the two 4-bit representations of one factor's
+    inverse root, ``g`` the gradient contracted to (d, m) along that dim."""
+    a = factor.double() / bias
+    eig = torch.linalg.eigh(a + epsilon * torch.eye(a.shape[-1], dtype=a.dtype))
+    lam = eig.eigenvalues.clamp_min(epsilon)
+    vectors = eig.eigenvectors
+    root = (vectors * lam.pow(-0.25)) @ vectors.T
+    exact = root @ g.double()
+    out = {}
+    # the root's float32 diagonal and 4-bit off-diagonal
+    off = root.float().clone()
+    diagonal = off.diagonal().clone()
+    off.diagonal().zero_()
+    stored = quantization.dequantize(quantization.quantize(off)).double()
+    stored.diagonal().copy_(diagonal.double())
+    # 4-bit eigenvectors (one per row), Björck-rectified, float32 eigenvalues
+    v = quantization.dequantize(quantization.quantize(vectors.T.float().contiguous())).mT
+    v = quantization.bjorck(v, bjorck_steps).double()
+    rebuilt = (v * lam.float().double().pow(-0.25)) @ v.T
+    for name, approx in (("stored root", stored), ("from eigenvectors", rebuilt)):
+        out[name] = (float((approx - root).norm() / root.norm()),
+                     float((approx @ g.double() - exact).norm() / exact.norm()))
+    return out
+
+
+def roots(args) -> None:
+    torch.set_num_threads(args.threads)
+    tokens = text_tokens(None)
+    batches, loss_fn, _ = language_model_parts(Args, *tokens)
+    model = make_gpt2(0, n_embd=128)
+    opt = DistributedShampoo(model.parameters(), lr=args.lr, **BASE)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, decay=False))
+    errors: dict[tuple, list[tuple[float, float]]] = {}
+    for step, batch in enumerate(batches(0, args.steps), start=1):
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        opt.step()
+        schedule.step()
+        if step % BASE["precondition_frequency"] or step < args.start:
+            continue
+        bias = 1 - BASE["betas"][1] ** step
+        for stack in opt._layout.owned:
+            for j, d in enumerate(stack.shape):
+                name = f"factor_matrix_{j}"
+                if d * d < quantization.MIN_QUANTIZED_ELEMENTS or name not in stack.state:
+                    continue
+                for member, block in enumerate(stack.members):
+                    grad = block.param.grad.reshape(block.merged)
+                    if block.slices is not None:
+                        grad = grad[block.slices]
+                    g = grad.movedim(j, 0).reshape(d, -1)
+                    factor = stack.state[name][member]
+                    for epsilon in args.epsilons:
+                        for rep, pair in root_errors(factor, bias, epsilon, g,
+                                                     args.bjorck).items():
+                            errors.setdefault((epsilon, rep), []).append(pair)
+    print(f"{hardware()}; 32-bit Shampoo on the small GPT-2, lr {args.lr} constant after "
+          f"the warm-up, refreshes from step {args.start} to {args.steps}, factors with "
+          f"d² ≥ {quantization.MIN_QUANTIZED_ELEMENTS}, Björck steps {args.bjorck}\n")
+    print("| ε | 4-bit representation | root error median / max | I·G error median / max |")
+    print("|---|---|---|---|")
+    for (epsilon, rep), pairs in errors.items():
+        r = [p[0] for p in pairs]
+        dvals = [p[1] for p in pairs]
+        print(f"| {epsilon:g} | {rep} | {statistics.median(r):.3f} / {max(r):.3f} | "
+              f"{statistics.median(dvals):.3f} / {max(dvals):.3f} |")
+
+
+def train_one(config: dict, lr: float, seed: int, steps: int, schedule: str) -> float:
+    tokens = text_tokens(None)
+    batches, loss_fn, evaluate = language_model_parts(Args, *tokens)
+    model = make_gpt2(seed, n_embd=128)
+    opt = DistributedShampoo(model.parameters(), lr=lr, **config)
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine(steps, decay=schedule == "cosine"))
+    for batch in batches(seed, steps):
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        if not math.isfinite(loss.item()):
+            return math.nan
+        loss.backward()
+        opt.step()
+        lambda_lr.step()
+    return evaluate(model)["val loss"]
+
+
+def train(args) -> None:
+    torch.set_num_threads(args.threads)
+    print(f"{hardware()}; the small GPT-2 (2 layers, 128 wide), {args.steps} steps\n")
+    results: dict[tuple, list[float]] = {}
+    for schedule in args.schedules:
+        for lr in args.lrs:
+            for name in args.configs:
+                for seed in args.seeds:
+                    start = time.process_time()
+                    value = train_one(CONFIGS[name], lr, seed, args.steps, schedule)
+                    results.setdefault((schedule, lr, name), []).append(value)
+                    print(f"{schedule} lr {lr:g} {name} seed {seed}: {value:.4f} "
+                          f"({time.process_time() - start:.0f} s)", flush=True)
+    print("\n| schedule | lr | configuration | val loss | − 32-bit (same kind) |")
+    print("|---|---|---|---|---|")
+    for (schedule, lr, name), values in results.items():
+        reference = results.get((schedule, lr, "SOAP 32-bit" if name.startswith("SOAP")
+                                 else "32-bit"))
+        mean = statistics.mean(values)
+        spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+        delta = f"{mean - statistics.mean(reference):+.3f}" if reference else "–"
+        print(f"| {schedule} | {lr:g} | {name} | {mean:.3f}{spread} | {delta} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("roots", help="4-bit root errors along a 32-bit run")
+    r.add_argument("--steps", type=int, default=300)
+    r.add_argument("--start", type=int, default=10)
+    r.add_argument("--lr", type=float, default=1e-2)
+    r.add_argument("--epsilons", type=float, nargs="+", default=[1e-12, 1e-8, 1e-6])
+    r.add_argument("--bjorck", type=int, default=1)
+    r.add_argument("--threads", type=int, default=1)
+    t = sub.add_parser("train", help="validation loss of configurations")
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2])
+    t.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    t.add_argument("--schedules", nargs="+", default=["cosine", "constant"],
+                   choices=["cosine", "constant"])
+    t.add_argument("--configs", nargs="+", default=["32-bit", "4-bit"], choices=list(CONFIGS))
+    t.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    (roots if args.command == "roots" else train)(args)
+
+
+if __name__ == "__main__":
+    main()
