@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .compiled import compile_parameters
+
 DEFAULTS: dict[str, Any] = {
     "lr": 1e-2,
     "betas": (0.9, 1.0),
@@ -55,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "spectral_lr_adjustment": None,
     "sign_scale": None,
     "check_finite_gradients": True,
+    "compile": False,
     "vector_preconditioner": None,
     "diagonal_aspect": None,
     "rank_deficient": "perturbation",
@@ -144,7 +147,10 @@ REFRESH_SCHEDULES = ("all", "staggered")
 
 # Keywords that describe the whole optimizer, not one group: they must agree across groups.
 GLOBAL_KEYS = ("distributed", "fsdp_mode", "communication_dtype", "num_trainers_per_group",
-               "assignment_cost", "check_finite_gradients")
+               "assignment_cost", "check_finite_gradients", "compile")
+# Keywords that say how this process runs the step, not what it computes: a checkpoint's
+# values of them are not loaded (the optimizer's own stay).
+RUNTIME_KEYS = ("compile",)
 
 # Keywords that decide which state tensors exist and how parameters are blocked. They are
 # fixed once state exists, and a checkpoint must agree with them to be loaded.
@@ -304,6 +310,7 @@ def validate_group(group: dict[str, Any]) -> None:
         _fail("use_bias_correction", group["use_bias_correction"], "expected True or False")
     if not isinstance(group["check_finite_gradients"], bool):
         _fail("check_finite_gradients", group["check_finite_gradients"], "expected True or False")
+    _check_compile(group["compile"])
     _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
     _check_int("precondition_frequency", group["precondition_frequency"], 1)
     _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
@@ -397,6 +404,20 @@ def validate_group(group: dict[str, Any]) -> None:
             raise ValueError(f"{error} (for the vector-like parameters of a group with "
                              f"vector_preconditioner={group['vector_preconditioner']!r})"
                              ) from None
+
+
+def _check_compile(value: Any) -> None:
+    """``compile``: a bool, or a dict of ``torch.compile`` keyword arguments."""
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, dict):
+        _fail("compile", value, "expected True, False or a dict of torch.compile keyword "
+              "arguments such as {'backend': 'aot_eager'} or {'mode': 'max-autotune'}")
+    allowed = compile_parameters()
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        _fail("compile", value, f"unknown torch.compile keyword(s) {', '.join(unknown)}; "
+              f"torch.compile takes {', '.join(allowed)}")
 
 
 def _check_rank_deficient(group: dict[str, Any]) -> None:

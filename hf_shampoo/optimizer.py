@@ -86,6 +86,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         spectral_lr_adjustment: str | None = DEFAULTS["spectral_lr_adjustment"],
         sign_scale: str | None = DEFAULTS["sign_scale"],
         check_finite_gradients: bool = DEFAULTS["check_finite_gradients"],
+        compile: bool | dict = DEFAULTS["compile"],
         vector_preconditioner: str | None = DEFAULTS["vector_preconditioner"],
         diagonal_aspect: float | None = DEFAULTS["diagonal_aspect"],
         rank_deficient: str = DEFAULTS["rank_deficient"],

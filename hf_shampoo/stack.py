@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import averaging, stages
+from . import averaging, compiled, stages
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
 
@@ -173,6 +173,7 @@ class BlockStack:
         """
         group, step, state, grad = job.group, job.step, job.state, job.grad
         kind = kind_of(group)
+        stages = compiled.stages_for(group)  # the module, or its compiled lines 3-8 (compile)
 
         scratch = stages.Scratch(workspace, grad)
 

@@ -124,6 +124,12 @@ def decoupled_decay_factor(group: dict) -> float | None:
     }[wd_type]
 
 
+def folded_decay_factor(group: dict) -> float | None:
+    """Line 6's ``α`` where it is folded into the direction: None without decoupled decay
+    and with iterate averaging, whose decay shrinks ``z`` instead (``averaging.apply``)."""
+    return None if group["iterate_averaging"] is not None else decoupled_decay_factor(group)
+
+
 def finish_direction(
     state: dict, group: dict, direction: Tensor, scale: Tensor | None, owned: bool,
     param: Tensor | None, lr: float, out: Tensor, copy_into: Tensor,
@@ -135,7 +141,7 @@ def finish_direction(
     Without decay and momentum, the grafting scale and ``-lr`` are one pass. With iterate
     averaging, decoupled decay shrinks ``z`` instead (``averaging.apply``), as in Meta.
     """
-    alpha = None if group["iterate_averaging"] is not None else decoupled_decay_factor(group)
+    alpha = folded_decay_factor(group)
     mu = group["momentum"]
     if alpha is None and mu == 0:
         if scale is None:

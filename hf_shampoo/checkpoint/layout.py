@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..blocking import ParamBlocking
-from ..config import LAYOUT_KEYS
+from ..config import LAYOUT_KEYS, RUNTIME_KEYS
 
 # "block_{b}.{name}"; with fsdp_mode="local", "shard{s}of{n}.block_{b}.{name}"
 _KEY = re.compile(r"^(shard\d+of\d+\.)?block_(\d+)\.(\w+)$")
@@ -158,7 +158,8 @@ def unpack(
         for saved_id in saved["params"]:
             id_to_index.setdefault(saved_id, index)  # a repeated id: its first position
             index += 1
-        merged_groups.append({**group, **{k: v for k, v in saved.items() if k != "params"}})
+        merged_groups.append({**group, **{k: v for k, v in saved.items()
+                                          if k != "params" and k not in RUNTIME_KEYS}})
 
     # Where each owned block lives, and what it must hold.
     owned: dict[tuple[int, int], tuple[Any, int]] = {}

@@ -87,6 +87,9 @@ _OPTIONAL_TYPES = {
     "eval_coeff_lr_power": float,
 }
 
+# Keywords that take true / false or a dict.
+_BOOL_OR_DICT = ("compile",)
+
 
 def valid_keys() -> list[str]:
     """The keys ``optim_args`` accepts (``PATTERN@key`` sets ``key`` for matching modules)."""
@@ -123,6 +126,8 @@ def cast_value(key: str, text: Any) -> Any:
     kind = _OPTIONAL_TYPES.get(key, type(default))
     if raw.lower() in ("none", "null") and (default is None or key in _OPTIONAL_TYPES):
         return None
+    if key in _BOOL_OR_DICT and raw.startswith("{"):
+        kind = dict  # compile={'backend':'aot_eager'}: torch.compile's keyword arguments
     if kind is bool:
         lowered = raw.lower()
         if lowered in ("true", "1", "yes"):

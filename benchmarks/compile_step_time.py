@@ -1,0 +1,140 @@
+"""Steady optimizer step, eager against ``compile=True``, on a model's parameter shapes.
+
+Two optimizers of the same configuration, one eager and one compiled (``--backend``:
+torch.compile's default, inductor, unless told), run on their own copies of the
+parameters with the same fixed random gradients. The step counter is set past
+``start_preconditioning_step`` between refreshes, so that every timed step is a steady
+preconditioned step (factor update, preconditioning with the initial roots, which costs
+what any roots cost, grafting, decay, momentum) and no eigendecomposition runs. Both
+optimizers are timed in interleaved steps in one process, so that a change of machine load
+hits both alike; medians are reported.
+
+The first steps (``--warmup``) are not timed as steady: the compiled optimizer compiles
+its kernels there (one graph per kernel and block-order pattern, then symbolic sizes).
+``compile s`` is the compiled warm-up's time minus the eager warm-up's; ``graphs``: the
+kernels' compiled graphs after the warm-up (and the most of one kernel, which torch caps
+at ``recompile_limit``), and those added during the timed steps, where the learning rate
+changes every step as under a scheduler (none expected).
+
+    python benchmarks/compile_step_time.py --models resnet50 gpt2 --threads 2
+    python benchmarks/compile_step_time.py --models gpt2-tiny --steps 3   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MODELS, build_model, hardware, median  # noqa: E402
+
+from hf_shampoo import DistributedShampoo, compiled  # noqa: E402
+
+F = 100_000  # precondition_frequency = start_preconditioning_step; steps F+1.. are steady
+
+CONFIGS = {
+    "adam grafting": dict(grafting="adam"),
+    "adam grafting, wd + nesterov momentum": dict(grafting="adam", weight_decay=1e-2,
+                                                  momentum=0.9, nesterov=True),
+}
+
+
+def make(params, compile_option, config: dict) -> DistributedShampoo:
+    opt = DistributedShampoo(params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12,
+                             grafting_beta2=0.999, grafting_epsilon=1e-8,
+                             max_preconditioner_dim=1024, precondition_frequency=F,
+                             start_preconditioning_step=F, distributed="none",
+                             compile=compile_option, **config)
+    for group in opt.param_groups:
+        group["step"] = F  # the next steps precondition and refresh nothing
+    return opt
+
+
+def step_seconds(opt: DistributedShampoo, params, grads, lr: float) -> float:
+    for p, g in zip(params, grads):
+        p.grad = g
+    for group in opt.param_groups:
+        group["lr"] = lr
+    start = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def graph_counts() -> tuple[int, int]:
+    """The compiled kernels' graphs so far in this process: in all, and the most of one
+    kernel (torch recompiles a kernel at most ``recompile_limit`` times, 8 by default)."""
+    counts = compiled.graph_counts()
+    return sum(counts.values()), max(counts.values())
+
+
+def measure(model_name: str, config_name: str, compile_option, warmup: int, steps: int
+            ) -> dict:
+    torch._dynamo.reset()
+    model = build_model(model_name)
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    del model
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]
+    runs = {}
+    for name, option in (("eager", False), ("compiled", compile_option)):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(1)))
+                  for s in shapes]
+        runs[name] = (params, make(params, option, CONFIGS[config_name]), [], [])
+    lrs = [1e-3 / (1 + 0.01 * t) for t in range(warmup + steps)]  # changes every step
+    for t in range(warmup + steps):
+        for name in (("eager", "compiled") if t % 2 == 0 else ("compiled", "eager")):
+            params, opt, first, steady = runs[name]
+            (first if t < warmup else steady).append(step_seconds(opt, params, grads, lrs[t]))
+        if t == warmup - 1:
+            after_warmup = graph_counts()
+    final = graph_counts()
+    a = torch.cat([p.detach().flatten() for p in runs["eager"][0]])
+    b = torch.cat([p.detach().flatten() for p in runs["compiled"][0]])
+    return {
+        "eager": median(runs["eager"][3]), "compiled": median(runs["compiled"][3]),
+        "compile": sum(runs["compiled"][2]) - sum(runs["eager"][2]),
+        "graphs": after_warmup[0], "most": after_warmup[1],
+        "later graphs": final[0] - after_warmup[0], "params": sum(s.numel() for s in shapes),
+        "stacks": len(runs["eager"][1]._layout.owned),
+        "difference": float((a - b).abs().max() / a.abs().max()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["resnet50", "gpt2"])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", default=None,
+                        help="torch.compile backend (default: torch's, inductor)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steady steps each")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    option = True if args.backend is None else {"backend": args.backend}
+    lines = [f"Hardware: {hardware()}.", f"compile={option!r}; steady steps, medians of "
+             f"{args.steps} interleaved steps each after {args.warmup} warm-up steps.", "",
+             "| model | configuration | stacks | eager ms | compiled ms | compiled / eager "
+             "| compile s | graphs (most of one kernel) | graphs after warm-up "
+             "| max rel. difference |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for model in args.models:
+        for config in args.configs:
+            r = measure(model, config, option, args.warmup, args.steps)
+            lines.append(
+                f"| {model} ({r['params'] / 1e6:.1f}M) | {config} | {r['stacks']} "
+                f"| {r['eager'] * 1e3:.1f} | {r['compiled'] * 1e3:.1f} "
+                f"| {r['compiled'] / r['eager']:.3f} | {r['compile']:.1f} "
+                f"| {r['graphs']} ({r['most']}) | {r['later graphs']} "
+                f"| {r['difference']:.1e} |")
+            print(lines[-1], flush=True)
+    lines.append(f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
