@@ -341,10 +341,12 @@ def validate_group(group: dict[str, Any]) -> None:
               "4-bit factors are sampled: expected None unless quantization='4bit' (32-bit "
               "factors take every gradient)")
     if group["quantization"] == "4bit":
-        if group["preconditioner"] in ("kl_shampoo",) + EIGENDECOMPOSED_KINDS:
-            _fail("quantization", "4bit", "4-bit state exists for preconditioner 'shampoo' "
-                  "and 'eigenvalue_corrected' (and has no effect with 'diagonal'), not for "
-                  f"{group['preconditioner']!r}")
+        if group["preconditioner"] in ("kl_shampoo", "eigendecomposed_kl_shampoo"):
+            _fail("quantization", "4bit", "4-bit state exists for preconditioner 'shampoo', "
+                  "'eigendecomposed_shampoo' and 'eigenvalue_corrected' (and has no effect "
+                  f"with 'diagonal'), not for {group['preconditioner']!r}: 4-bit factors "
+                  "are rebuilt from sampled raw gradients, KL-Shampoo's take every step's "
+                  "gradient preconditioned by the current roots")
         every = group["statistics_frequency"]
         if every is None and group["preconditioner"] == "eigenvalue_corrected":
             _fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo needs an "

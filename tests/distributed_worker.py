@@ -63,6 +63,11 @@ SCENARIOS: dict[str, dict] = {
                                   preconditioner="eigendecomposed_kl_shampoo",
                                   eigendecomposition="qr", qr_max_iterations=2,
                                   eigenbasis_tolerance=0.05),
+    # 4-bit eigendecomposed Shampoo: the criterion on the dequantised kept bases
+    "eigendecomposed_4bit": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                                 max_preconditioner_dim=16, epsilon=1e-6,
+                                 preconditioner="eigendecomposed_shampoo", quantization="4bit",
+                                 statistics_frequency=1, eigenbasis_tolerance=0.1),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
     # Muon: spectral descent on the matrices (blocks of 16), Adam on vectors and scalars

@@ -77,7 +77,6 @@ def test_qr_algorithm_run_long_enough_is_an_eigendecomposition():
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"quantization": "4bit"}, "4-bit state exists for"),
     ({"root_inverse": "coupled_newton"}, "root_inverse"),
     ({"diagonal_aspect": 4.0}, "diagonal_aspect"),
     ({"inv_factor_matrix_dtype": torch.bfloat16}, "inv_factor_matrix_dtype"),
@@ -88,6 +87,54 @@ def test_refused_combinations(changes, message):
                            preconditioner="eigendecomposed_shampoo", **changes)
 
 
+def test_4bit_eigendecomposed_kl_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="quantization='4bit'.*KL-Shampoo's take every step"):
+        DistributedShampoo([torch.nn.Parameter(torch.zeros(3, 4))], quantization="4bit",
+                           preconditioner="eigendecomposed_kl_shampoo")
+
+
+def _4bit_run(steps=12, **config):
+    """A (64, 80) parameter (both factors large enough for 4 bits) and an (8, 6) one (merged
+    into one 48-vector: a 32-bit factor)."""
+    params = [torch.nn.Parameter(t) for t in (random_tensors((64, 80), 1, seed=3)[0].float(),
+                                               random_tensors((8, 6), 1, seed=4)[0].float())]
+    grads = [random_tensors(p.shape, steps, seed=5 + i) for i, p in enumerate(params)]
+    # ε 1e-4: float32 roots of these few-gradient factors agree between kinds to round-off
+    opt = DistributedShampoo(params, lr=0.01, grafting="adam", precondition_frequency=3,
+                             quantization="4bit", epsilon=1e-4, **config)
+    for t in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g[t].float()
+        opt.step()
+    return params, opt
+
+
+def test_4bit_eigendecomposed_is_4bit_shampoo_with_the_eigh_refresh():
+    """Without a tolerance both decompose every sampled factor by eigh: the same 4-bit
+    state and the same parameters (the 32-bit (8, 6) block's roots from (Q, λ) agree with
+    Shampoo's to round-off)."""
+    ours, opt = _4bit_run(preconditioner="eigendecomposed_shampoo")
+    theirs, _ = _4bit_run(preconditioner="shampoo")
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-5)
+    state = opt.state_dict()["state"]
+    assert "block_0.factor_eigenvectors_0_codes" in state[0]  # 4 bits for the 64 x 64 factor
+    assert "block_0.eigenvectors_0" in state[1] and "block_0.eigenvalues_0" in state[1]
+
+
+def test_4bit_eigendecomposed_criterion_keeps_valid_bases():
+    """With a loose tolerance the kept (dequantised) basis is re-used: the stored 4-bit
+    eigenvectors stay as they were at the first refresh; with a tight one they change."""
+    def codes_after(steps, tolerance):
+        _, opt = _4bit_run(steps, preconditioner="eigendecomposed_shampoo",
+                           eigenbasis_tolerance=tolerance)
+        return opt.state_dict()["state"][0]["block_0.factor_eigenvectors_0_codes"].clone()
+
+    first = codes_after(3, 0.9)  # the first refresh: eigh
+    assert torch.equal(codes_after(12, 0.9), first)
+    assert not torch.equal(codes_after(12, 1e-6), first)
+
+
 @pytest.mark.parametrize("config", [
     dict(preconditioner="eigendecomposed_kl_shampoo", eigendecomposition="qr",
          qr_max_iterations=2, eigenbasis_tolerance=0.05),
@@ -95,6 +142,8 @@ def test_refused_combinations(changes, message):
          rank_deficient="pseudo_inverse", rank_rtol=None),
     dict(preconditioner="shampoo", root_inverse="coupled_higher_order"),
     dict(preconditioner="kl_shampoo", root_inverse="coupled_newton"),
+    dict(preconditioner="eigendecomposed_shampoo", quantization="4bit",
+         eigenbasis_tolerance=0.1, max_preconditioner_dim=64),
 ])
 def test_a_checkpoint_resumes_exactly(config):
     """state_dict() after 5 steps, loaded into a fresh optimizer: the next 5 steps are

@@ -12,7 +12,11 @@ from .diagonal import Diagonal
 from .eigendecomposed import EigendecomposedKLShampoo, EigendecomposedShampoo
 from .eigenvalue_corrected import EigenvalueCorrected
 from .kl_shampoo import KLShampoo
-from .quantized import QuantizedEigenvalueCorrected, QuantizedShampoo
+from .quantized import (
+    QuantizedEigendecomposedShampoo,
+    QuantizedEigenvalueCorrected,
+    QuantizedShampoo,
+)
 from .shampoo import Shampoo
 from .sign_descent import SignDescent
 from .spectral_descent import SpectralDescent
@@ -24,7 +28,8 @@ KINDS: dict[str, Preconditioner] = {
 }
 # quantization="4bit": the kinds that keep their factors in 4 bits (the others have none)
 QUANTIZED_KINDS: dict[str, Preconditioner] = {
-    kind.name: kind for kind in (QuantizedShampoo(), QuantizedEigenvalueCorrected())
+    kind.name: kind for kind in (QuantizedShampoo(), QuantizedEigenvalueCorrected(),
+                                 QuantizedEigendecomposedShampoo())
 }
 
 

@@ -1,5 +1,5 @@
-"""4-bit Shampoo and 4-bit eigenvalue-corrected Shampoo (``quantization="4bit"``; docs/design.md §5,
-arXiv 2405.18144).
+"""4-bit Shampoo, eigendecomposed Shampoo and eigenvalue-corrected Shampoo
+(``quantization="4bit"``; docs/design.md §5, arXiv 2405.18144).
 
 A factor ``F_j`` with at least 4096 elements is kept as its eigendecomposition: float32
 eigenvalues ``factor_eigenvalues_{j}`` and 4-bit eigenvectors ``factor_eigenvectors_{j}``
@@ -33,13 +33,12 @@ from ..config import dim_exponents, start_step
 from ..kronecker import update_factor
 from ..stages import Scratch, second_moment_bias
 from . import refresh as common
+from .eigendecomposed import EigendecomposedShampoo
 from .eigenvalue_corrected import EigenvalueCorrected
 from .shampoo import Shampoo
 
 # Björck steps after dequantising eigenvectors to rebuild a factor (the paper's t1)
 REBUILD_BJORCK_STEPS = 1
-import os  # noqa: E402
-TRACK = os.environ.get("HF_SHAMPOO_TRACK", "0") == "1"
 
 
 class QuantizedFactors:
@@ -58,36 +57,7 @@ class QuantizedFactors:
         shapes = super().state_shapes(stack, group)
         shapes.update(self.vector_and_matrix_shapes(stack, group, "factor_eigenvalues_{}",
                                                     "factor_eigenvectors_{}"))
-        if TRACK:
-            for j in self.quantized_dims(stack, group):
-                shapes[f"factor_tracked_{j}"] = ((stack.shape[j],), torch.float32)
         return shapes
-
-    def basis_energy(self, g: Tensor, v: Tensor, dim: int) -> Tensor:
-        """``diag(Vᵀ G_(dim) G_(dim)ᵀ V)`` per row: the gradient's energy along each kept
-        eigenvector."""
-        n, d = g.shape[0], g.shape[dim + 1]
-        unfolded = g.movedim(dim + 1, 1).reshape(n, d, -1)
-        return torch.matmul(v.mT, unfolded).square_().sum(-1)
-
-    def track_statistics(self, stack, job, rows: list[int]) -> None:
-        """Between samples, the diagonal of every step's ``G Gᵀ`` in the kept basis, as an
-        EMA (``factor_tracked_{j}``), for ``rows``."""
-        group, state = job.group, job.state
-        beta2 = group["betas"][1]
-        weight = 1.0 if beta2 == 1.0 else 1.0 - beta2
-        full = len(rows) == job.grad.shape[0]
-        index = None if full else torch.tensor(rows, device=job.grad.device)
-        g = job.grad.to(torch.float32)
-        g = g if full else g[index]
-        for j in self.quantized_dims(stack, group):
-            v = self.eigenvectors(state, j, stack.shape[j], index)
-            energy = self.basis_energy(g, v, j)
-            tracked = state[f"factor_tracked_{j}"]
-            if full:
-                tracked.mul_(beta2).add_(energy, alpha=weight)
-            else:
-                tracked[index] = tracked[index].mul_(beta2).add_(energy, alpha=weight)
 
     def vector_and_matrix_shapes(self, stack, group: dict, vector: str, matrix: str) -> dict:
         """For each quantised dim ``j`` of size ``d``: a float32 ``d``-vector named
@@ -166,21 +136,12 @@ class QuantizedFactors:
             outer = update_factor(g.new_zeros(len(rows), d, d), g, j, 0.0)  # G Gᵀ
             # before the first sample λ = 0, so the rebuilt factor is 0
             v = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
-            lam = state[f"factor_eigenvalues_{j}"][index].clamp_min(0).mul(keep.view(-1, 1))
-            if TRACK:
-                # the diagonal in the kept basis is every step's (tracked since the last
-                # sample, and this step's at its own weight); the sample's G Gᵀ stands for
-                # the Δ steps' off-diagonal only
-                beta2_w = 1.0 if beta2 == 1.0 else beta2
-                energy = self.basis_energy(g, v, j)
-                extra = (weight - (1.0 if beta2 == 1.0 else 1.0 - beta2)).view(-1, 1)
-                lam = (lam + beta2_w * state[f"factor_tracked_{j}"][index]
-                       - extra * energy).clamp_min_(0)
+            lam = state[f"factor_eigenvalues_{j}"][index]
             # V diag(λ) Vᵀ = C Cᵀ with C = V diag(√λ), as a symmetric product (λ of a
             # positive semi-definite factor; eigh's round-off below 0 is dropped)
-            scaled = v * lam.sqrt().unsqueeze(-2)
+            scaled = v * lam.clamp_min(0).sqrt().unsqueeze(-2)
             previous = linalg.syrk(torch.empty_like(scaled), scaled)
-            factors[j] = previous.add_(outer.mul_(weight))
+            factors[j] = previous.mul_(keep).add_(outer.mul_(weight))
         return factors
 
     def checked_factors(self, stack, job) -> dict[str, Tensor]:
@@ -206,17 +167,24 @@ class QuantizedFactors:
                                if not k.startswith("sampled_factor_")}
         super().update_statistics(stack, job, g, scratch)
         rows = self.sample_rows(job)
-        if TRACK:
-            sampled = set(rows) | set(job.refresh_rows)
-            others = [r for r in range(job.grad.shape[0]) if r not in sampled]
-            if others:
-                self.track_statistics(stack, job, others)
         if rows:  # a sample between refreshes: new eigenvectors, no root
             self.refresh_quantized(stack, job, rows, self.descending(job.group))
 
     def descending(self, group: dict) -> bool:
         """Whether bases are kept by descending eigenvalue (else eigh's ascending order)."""
         return False
+
+    def qr_tolerance(self, group: dict) -> float:
+        """The QR algorithm's criterion on the sampled factors (0: always iterate)."""
+        return 0.0
+
+    def eigh_refresh(self, state: dict, dim: int, d: int, index: Tensor, factor: Tensor,
+                     group: dict, fresh: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``(eigenvalues, eigenvectors, ok, kept)`` of the sampled factors by ``eigh``
+        (``kept``: a mask of the rows whose stored basis was re-used, or None)."""
+        eig = linalg.batched_eigh(factor)
+        return (eig.eigenvalues, eig.eigenvectors, torch.tensor(eig.ok, dtype=torch.bool),
+                None)
 
     def refresh_quantized(self, stack, job, rows: list[int],
                           descending: bool) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
@@ -233,10 +201,10 @@ class QuantizedFactors:
         fresh = any(self.previous_sample(group, self.own_step(job, r)) == 0 for r in rows)
         for j, factor in sampled.items():
             d = stack.shape[j]
+            kept = None  # rows whose stored basis stays (the criterion held)
             if fresh or group["eigendecomposition"] == "eigh":
-                eig = linalg.batched_eigh(factor)
-                values, vectors = eig.eigenvalues, eig.eigenvectors
-                ok = torch.tensor(eig.ok, dtype=torch.bool)
+                values, vectors, ok, kept = self.eigh_refresh(state, j, d, index, factor,
+                                                              group, fresh)
                 if descending:
                     values, vectors = values.flip(-1), vectors.flip(-1)
             else:
@@ -247,16 +215,16 @@ class QuantizedFactors:
                         method=group["orthogonalization"])
                 else:
                     vectors, values = linalg.qr_algorithm_direct(
-                        factor, start, group["qr_max_iterations"], 0.0,
+                        factor, start, group["qr_max_iterations"], self.qr_tolerance(group),
                         group["orthogonalization"])
                 ok = (linalg.finite_rows(vectors) & linalg.finite_rows(values)).cpu()
             done = ok.nonzero().flatten().to(index.device)
-            if TRACK:  # the sample took what was tracked since the last one
-                state[f"factor_tracked_{j}"][index] = 0.0
             if len(done) > 0:
                 state[f"factor_eigenvalues_{j}"][index[done]] = values[done].float()
-                quantization.store(state, f"factor_eigenvectors_{j}",
-                                   vectors[done].mT.float(), index[done])
+                new = done if kept is None else done[~kept.to(done.device)[done]]
+                if len(new) > 0:  # a kept basis is not quantised again (no drift)
+                    quantization.store(state, f"factor_eigenvectors_{j}",
+                                       vectors[new].mT.float(), index[new])
             stack.count_failures(f"factor_eigenvectors_{j}", ok,
                                  [job.members[r] for r in rows], job.step)
             results[j] = (done, values[done], vectors[done])
@@ -304,6 +272,28 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
         for j in self.quantized_dims(stack, job.group):
             roots[j] = self.stored_root(job.state, j, stack.shape[j])
         return roots
+
+
+class QuantizedEigendecomposedShampoo(QuantizedShampoo, EigendecomposedShampoo):
+    """4-bit ``eigendecomposed_shampoo``: the large factors as 4-bit Shampoo keeps them (an
+    eigendecomposition already: 4-bit eigenvectors, float32 eigenvalues, the root's 4-bit
+    off-diagonal), refreshed by Meta's eigh with the criterion (the kept, dequantised basis
+    re-used while the sampled factor stays nearly diagonal in it) or its QR algorithm; the
+    small factors as 32-bit ``eigendecomposed_shampoo``."""
+    name = "eigendecomposed_shampoo"
+
+    def qr_tolerance(self, group: dict) -> float:
+        return group["eigenbasis_tolerance"]
+
+    def eigh_refresh(self, state: dict, dim: int, d: int, index: Tensor, factor: Tensor,
+                     group: dict, fresh: bool) -> tuple[Tensor, Tensor, Tensor]:
+        if fresh or group["eigenbasis_tolerance"] == 0:
+            return super().eigh_refresh(state, dim, d, index, factor, group, fresh)
+        stored = self.eigenvectors(state, dim, d, index, REBUILD_BJORCK_STEPS)
+        vectors, values, ok = self._eigh_or_kept(factor, stored, group)
+        # the rows eigh did not redo hold the stored basis itself
+        kept = (vectors == stored).flatten(1).all(1).cpu()
+        return values, vectors, ok, kept
 
 
 class QuantizedEigenvalueCorrected(QuantizedFactors, EigenvalueCorrected):
