@@ -68,6 +68,10 @@ SCENARIOS: dict[str, dict] = {
                                  max_preconditioner_dim=16, epsilon=1e-6,
                                  preconditioner="eigendecomposed_shampoo", quantization="4bit",
                                  statistics_frequency=1, eigenbasis_tolerance=0.1),
+    # compile=True: the compiled stages on every owner (aot_eager: no C++ build per rank)
+    "compiled_stages": dict(lr=0.01, grafting="adam", precondition_frequency=2,
+                            max_preconditioner_dim=16, weight_decay=0.01, momentum=0.5,
+                            compile={"backend": "aot_eager"}),
     "bf16_communication": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                                max_preconditioner_dim=16, communication_dtype=torch.bfloat16),
     # Muon: spectral descent on the matrices (blocks of 16), Adam on vectors and scalars

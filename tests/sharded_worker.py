@@ -37,7 +37,7 @@ SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (
     "staggered_eigen_qr", "bf16_communication", "shampoo_4bit", "eigen_qr_4bit", "muon",
     "muon_whole_bf16_svd", "sign_descent_l1", "diagonal_long_side", "kl_pseudo_inverse",
     "higher_order_roots", "eigendecomposed_kl_qr", "gpa_decoupled", "schedule_free_soap",
-    "eigendecomposed_4bit")}
+    "eigendecomposed_4bit", "compiled_stages")}
 SCENARIOS["decoupled_momentum"] = dict(lr=0.01, grafting="adam", momentum=0.5,
                                        weight_decay=0.05, precondition_frequency=2,
                                        max_preconditioner_dim=16)
