@@ -18,17 +18,16 @@ by name or a ``save_to_disk`` directory instead):
 
 Optimizers: AdamW, SGD with Nesterov momentum (ResNet only), Shampoo with Adam grafting,
 eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo, and on GPT-2 Muon twice:
-ours (``make_optimizer(model, preset="muon")``) and torch.optim.Muon on the hidden matrices
-with AdamW on the rest, as users combine them by hand, and schedule-free Shampoo (constant
-lr after the warm-up, evaluated at its averaged weights); on LoRA: AdamW, Shampoo on
-``model.parameters()`` (full factors on both sides of each adapter), Shampoo by
+ours (``make_optimizer(model, preset="muon")``) and torch.optim.Muon on the hidden
+matrices with AdamW on the rest, as users combine them by hand, and schedule-free Shampoo
+(constant lr after the warm-up, evaluated at its averaged weights); on LoRA: AdamW,
+Shampoo on ``model.parameters()`` (full factors on both sides of each adapter), Shampoo by
 ``make_optimizer`` (the presets' adapter rule: the long side diagonal) and SOAP. Every run
-uses a linear
-warm-up over the first 5 % of steps and a cosine decay to zero (schedule-free: no decay). The learning rate of each
-optimizer is the value with the lowest mean training loss over the last 20 % of steps
-(seed 0) among a grid (1e-3, 3e-3, 1e-2; SGD 0.03, 0.1, 0.3) extended along the 1-3-10
-ladder while the best value is at its edge (``--max-lr-points``); the test/validation data
-play no part in the choice.
+uses a linear warm-up over the first 5 % of steps and a cosine decay to zero
+(schedule-free: no decay). The learning rate of each optimizer is the value with the lowest mean
+training loss over the last 20 % of steps (seed 0) among a grid (1e-3, 3e-3, 1e-2; SGD
+0.03, 0.1, 0.3) extended along the 1-3-10 ladder while the best value is at its edge
+(``--max-lr-points``); the test/validation data play no part in the choice.
 
 Ablations (Shampoo, its swept learning rate): ``precondition_frequency`` 1 / 10 / 100,
 grafting (Adam, RMSprop, SGD, none), ``max_preconditioner_dim`` 32 / 128 / 512,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_shampoo import linalg
+from hf_shampoo import eigenbasis
 from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment  # noqa: F401
 
 MODELS = ("resnet50", "gpt2", "gpt2-medium", "gpt2-tiny")
@@ -99,16 +99,16 @@ def hardware() -> str:
 
 class StaleCounter:
     """Counts the factor matrices the refresh criterion checks and finds stale (a context
-    manager around ``linalg.check_basis``). With ``count_tolerance_zero=False`` the calls
+    manager around ``eigenbasis.check_basis``). With ``count_tolerance_zero=False`` the calls
     with τ = 0, where every matrix is stale by definition, are not counted. SOAP's QR
-    refresh (Meta's QR algorithm, ``linalg.qr_algorithm_direct``) checks the criterion
+    refresh (Meta's QR algorithm, ``eigenbasis.qr_algorithm_direct``) checks the criterion
     before each of its iterations: only the check before the first one is counted."""
 
     def __init__(self, count_tolerance_zero: bool = True) -> None:
         self.checked = self.stale = 0
         self.count_tolerance_zero = count_tolerance_zero
-        self._real = linalg.check_basis
-        self._real_qr = linalg.qr_algorithm_direct
+        self._real = eigenbasis.check_basis
+        self._real_qr = eigenbasis.qr_algorithm_direct
         self._in_qr = False
 
     def _count(self, stale, tolerance: float) -> None:
@@ -132,13 +132,13 @@ class StaleCounter:
             finally:
                 self._in_qr = False
 
-        linalg.check_basis = counting
-        linalg.qr_algorithm_direct = counting_qr
+        eigenbasis.check_basis = counting
+        eigenbasis.qr_algorithm_direct = counting_qr
         return self
 
     def __exit__(self, *exc) -> None:
-        linalg.check_basis = self._real
-        linalg.qr_algorithm_direct = self._real_qr
+        eigenbasis.check_basis = self._real
+        eigenbasis.qr_algorithm_direct = self._real_qr
 
 
 class SimulatedRank(SingleProcessDistributor):

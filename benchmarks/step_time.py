@@ -62,7 +62,7 @@ from common import (  # noqa: E402
     write_section,
 )
 
-from hf_shampoo import DistributedShampoo, kronecker, linalg  # noqa: E402
+from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg  # noqa: E402
 
 F = 100_000  # precondition_frequency = start_preconditioning_step for the counter trick
 MARK_BEGIN = "<!-- step_time.py:begin -->"
@@ -481,8 +481,8 @@ def orthogonalization_lines(args) -> list[str]:
             sizes[stack.shape[j]] = sizes.get(stack.shape[j], 0) + len(stack.members)
     methods = {
         "eigh": linalg.batched_eigh,
-        "Householder QR": linalg.orthonormal_basis,
-        "Cholesky-QR3": linalg.cholesky_qr_basis,
+        "Householder QR": eigenbasis.orthonormal_basis,
+        "Cholesky-QR3": eigenbasis.cholesky_qr_basis,
         "matmul": lambda a: a @ a,
     }
     lines = ["", f"#### Orthogonalisation cost per factor size, {args.model} "

@@ -122,7 +122,7 @@ EIGENDECOMPOSITIONS = ("eigh", "qr")
 # qr(A Q), D permuted with the basis (warm-started QR keeps more bases valid:
 # docs/benchmarks/convergence.md).
 EIGENBASIS_VARIANTS = ("meta", "descending")
-# How QR refreshes orthogonalise (linalg.orthonormal_basis): LAPACK's Householder QR, or
+# How QR refreshes orthogonalise (eigenbasis.orthonormal_basis): LAPACK's Householder QR, or
 # shifted Cholesky-QR3 (matrix products; Householder where it cannot do a matrix).
 ORTHOGONALIZATIONS = ("householder", "cholesky_qr")
 # State storage of the Kronecker factors (docs/design.md §5): None = float32; "4bit" = 4-bit

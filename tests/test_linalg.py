@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from hf_shampoo import DistributedShampoo, linalg
+from hf_shampoo import DistributedShampoo, eigenbasis, linalg
 from tests.helpers import generator
 
 
@@ -65,18 +65,18 @@ def test_stale_mask_skips_exactly_when_basis_is_exact():
     perturbed = exact.clone()
     rotation = torch.linalg.matrix_exp(0.3 * (torch.eye(6) - torch.eye(6).roll(1, 0)).double())
     perturbed[2] = exact[2] @ torch.linalg.qr(rotation)[0]
-    stale, diagonal = linalg.stale_mask(a, perturbed, 1e-6)
+    stale, diagonal = eigenbasis.stale_mask(a, perturbed, 1e-6)
     assert stale.tolist() == [False, False, True, False]
     torch.testing.assert_close(diagonal[0], torch.linalg.eigvalsh(a[0]))
     # tolerance 0 always refreshes
-    assert linalg.stale_mask(a, exact, 0.0)[0].all()
+    assert eigenbasis.stale_mask(a, exact, 0.0)[0].all()
 
 
 def test_qr_iteration_converges_to_eigh_basis():
     a = _spd(2, 6, seed=3)
     values, vectors = torch.linalg.eigh(a)
     basis = torch.linalg.qr(torch.randn(2, 6, 6, dtype=torch.float64))[0]
-    basis, estimates, _ = linalg.qr_iteration(a, basis, 500)
+    basis, estimates, _ = eigenbasis.qr_iteration(a, basis, 500)
     torch.testing.assert_close(estimates, values.flip(-1), rtol=1e-8, atol=1e-10)
     # same eigenvectors (descending order) up to sign
     overlap = (basis.mT @ vectors.flip(-1)).abs()
@@ -90,9 +90,9 @@ def test_single_qr_step_keeps_a_good_descending_basis_good():
     _, vectors = torch.linalg.eigh(a)
     noise = torch.linalg.matrix_exp(1e-2 * (lambda m: m - m.mT)(torch.randn(1, 6, 6).double()))
     start = vectors.flip(-1) @ noise
-    before = linalg.off_diagonal_ratio(a, start)[1]
-    basis, _, order = linalg.qr_iteration(a, start, 1)
-    after = linalg.off_diagonal_ratio(a, basis)[1]
+    before = eigenbasis.off_diagonal_ratio(a, start)[1]
+    basis, _, order = eigenbasis.qr_iteration(a, start, 1)
+    after = eigenbasis.off_diagonal_ratio(a, basis)[1]
     assert after < before
     assert order.tolist() == [list(range(6))]
 
@@ -101,15 +101,15 @@ def test_qr_iteration_stops_early_when_tolerance_met():
     a = _spd(2, 5, seed=2)
     _, vectors = torch.linalg.eigh(a)
     exact = vectors.flip(-1)
-    basis, _, _ = linalg.qr_iteration(a, exact.clone(), 50, tolerance=1e-3)
+    basis, _, _ = eigenbasis.qr_iteration(a, exact.clone(), 50, tolerance=1e-3)
     # after the first (mandatory) step the basis already passes: no further steps taken
-    one_step, _, _ = linalg.qr_iteration(a, exact.clone(), 1)
+    one_step, _, _ = eigenbasis.qr_iteration(a, exact.clone(), 1)
     torch.testing.assert_close(basis, one_step, rtol=0, atol=0)
 
 
 def test_qr_iteration_sorts_and_reports_permutation():
     a = torch.diag_embed(torch.tensor([[3.0, 1.0, 2.0]], dtype=torch.float64))
-    basis, estimates, order = linalg.qr_iteration(a, torch.eye(3, dtype=torch.float64)[None], 1)
+    basis, estimates, order = eigenbasis.qr_iteration(a, torch.eye(3, dtype=torch.float64)[None], 1)
     assert estimates.tolist() == [[3.0, 2.0, 1.0]]
     assert order.tolist() == [[0, 2, 1]]
 
@@ -206,7 +206,7 @@ def test_cholesky_qr_is_householder_up_to_signs(dtype, condition):
     Cholesky-QR would fail (κ² beyond 1/u), and Householder's Q up to column signs (to
     the accuracy QR's Q has at this condition number, κ·u)."""
     x = _with_condition(3, 48, condition, dtype)
-    q, ok = linalg.cholesky_qr_basis(x)
+    q, ok = eigenbasis.cholesky_qr_basis(x)
     assert ok.all()
     unit = torch.finfo(dtype).eps
     eye = torch.eye(48, dtype=dtype).expand(3, 48, 48)
@@ -214,27 +214,27 @@ def test_cholesky_qr_is_householder_up_to_signs(dtype, condition):
     r = q.mT @ x  # upper triangular with a positive diagonal
     assert (r.diagonal(dim1=-2, dim2=-1) > 0).all()
     assert r.tril(-1).abs().max() <= 1e3 * unit * x.abs().max()
-    _same_up_to_column_signs(q, linalg.orthonormal_basis(x), atol=100 * unit * condition)
+    _same_up_to_column_signs(q, eigenbasis.orthonormal_basis(x), atol=100 * unit * condition)
 
 
 def test_cholesky_qr_beyond_its_range_falls_back_to_householder():
     """float32 with κ = 1e5: the shift needed at d = 48 leaves the second pass too
     ill-conditioned, which the last Gram check catches; the result is Householder's."""
     x = _with_condition(3, 48, 1e5, torch.float32)
-    assert not linalg.cholesky_qr_basis(x)[1].any()
-    torch.testing.assert_close(linalg.orthonormal_basis(x, "cholesky_qr"),
-                               linalg.orthonormal_basis(x), rtol=0, atol=0)
+    assert not eigenbasis.cholesky_qr_basis(x)[1].any()
+    torch.testing.assert_close(eigenbasis.orthonormal_basis(x, "cholesky_qr"),
+                               eigenbasis.orthonormal_basis(x), rtol=0, atol=0)
 
 
 def test_cholesky_qr_hands_rank_deficient_matrices_to_householder():
     x = _with_condition(3, 32, 1e2, torch.float32)
     x[1, :, -4:] = 0  # four zero columns: no R with a positive diagonal exists
-    _, ok = linalg.cholesky_qr_basis(x)
+    _, ok = eigenbasis.cholesky_qr_basis(x)
     assert ok.tolist() == [True, False, True]
-    q = linalg.orthonormal_basis(x, "cholesky_qr")
+    q = eigenbasis.orthonormal_basis(x, "cholesky_qr")
     eye = torch.eye(32).expand(3, 32, 32)
     torch.testing.assert_close(q.mT @ q, eye, rtol=0, atol=1e-5)
-    torch.testing.assert_close(q[1], linalg.orthonormal_basis(x[1:2])[0], rtol=0, atol=0)
+    torch.testing.assert_close(q[1], eigenbasis.orthonormal_basis(x[1:2])[0], rtol=0, atol=0)
 
 
 def _rotated_frame_qr_algorithm(matrices, basis, iterations, tolerance):
@@ -268,7 +268,7 @@ def test_direct_qr_algorithm_equals_metas_rotated_frame(method, iterations, tole
                                         dtype=torch.float64))[0]
     start[3] = torch.eye(12, dtype=torch.float64)
     basis, values = _rotated_frame_qr_algorithm(a, start, iterations, tolerance)
-    direct, direct_values = linalg.qr_algorithm_direct(a, start, iterations, tolerance, method)
+    direct, direct_values = eigenbasis.qr_algorithm_direct(a, start, iterations, tolerance, method)
     torch.testing.assert_close(direct_values, values, rtol=1e-11, atol=0)
     _same_up_to_column_signs(direct, basis, atol=1e-9)
     torch.testing.assert_close(direct[3], torch.eye(12, dtype=torch.float64), rtol=0, atol=0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import linalg
+from .. import eigenbasis, linalg
 from ..config import dim_exponents
 from . import refresh as common
 from .kl_shampoo import KLShampoo
@@ -56,7 +56,7 @@ class EigendecomposedShampoo(Shampoo):
             ridge = matrix + group["epsilon"] * eye
             kept = picked.take(state[f"eigenvectors_{j}"])
             if group["eigendecomposition"] == "qr":
-                basis, values = linalg.qr_algorithm_direct(
+                basis, values = eigenbasis.qr_algorithm_direct(
                     ridge, kept, group["qr_max_iterations"], group["eigenbasis_tolerance"],
                     group["orthogonalization"])
                 ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()
@@ -86,7 +86,7 @@ class EigendecomposedShampoo(Shampoo):
         values = ridge.new_zeros(n, ridge.shape[-1])
         todo = torch.arange(n, device=ridge.device)
         if group["eigenbasis_tolerance"] > 0:
-            check = linalg.check_basis(ridge, kept, group["eigenbasis_tolerance"])
+            check = eigenbasis.check_basis(ridge, kept, group["eigenbasis_tolerance"])
             values.copy_(check.diagonal)
             todo = check.stale.nonzero().flatten()
         ok = torch.ones(n, dtype=torch.bool)

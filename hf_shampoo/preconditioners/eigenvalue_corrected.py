@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import linalg
+from .. import eigenbasis, linalg
 from ..config import corrected_exponent
 from ..kronecker import multi_mode_product
 from ..stages import Scratch, second_moment_bias
@@ -73,7 +73,7 @@ class EigenvalueCorrected(KroneckerFactored):
         name = f"eigenvectors_{j}"
         matrix = plan.matrix + group["epsilon"] * torch.eye(
             plan.matrix.shape[-1], dtype=plan.matrix.dtype, device=plan.matrix.device)
-        basis, values = linalg.qr_algorithm_direct(
+        basis, values = eigenbasis.qr_algorithm_direct(
             matrix, picked.take(state[name]), group["qr_max_iterations"],
             group["eigenbasis_tolerance"], group["orthogonalization"])
         ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()

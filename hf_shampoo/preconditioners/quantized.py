@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import linalg, quantization
+from .. import eigenbasis, linalg, quantization
 from ..config import dim_exponents, start_step
 from ..kronecker import update_factor
 from ..stages import Scratch, second_moment_bias
@@ -210,11 +210,11 @@ class QuantizedFactors:
             else:
                 start = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
                 if descending:
-                    vectors, values, _ = linalg.qr_iteration(
+                    vectors, values, _ = eigenbasis.qr_iteration(
                         factor, start, group["qr_max_iterations"],
                         method=group["orthogonalization"])
                 else:
-                    vectors, values = linalg.qr_algorithm_direct(
+                    vectors, values = eigenbasis.qr_algorithm_direct(
                         factor, start, group["qr_max_iterations"], self.qr_tolerance(group),
                         group["orthogonalization"])
                 ok = (linalg.finite_rows(vectors) & linalg.finite_rows(values)).cpu()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import linalg
+from .. import eigenbasis, linalg
 from ..stages import second_moment_bias
 
 
@@ -29,7 +29,7 @@ class DimRefresh:
     matrix: Tensor
     todo: Tensor
     values: Tensor
-    check: linalg.BasisCheck | None = None
+    check: eigenbasis.BasisCheck | None = None
 
 
 class Rows:
@@ -95,7 +95,7 @@ def apply_criterion(job, plan: DimRefresh, picked: Rows, shift: bool) -> None:
     if shift and group["eigenbasis_tolerance"] > 0:
         d = checked.shape[-1]
         checked = checked + epsilon * torch.eye(d, dtype=checked.dtype, device=checked.device)
-    plan.check = linalg.check_basis(
+    plan.check = eigenbasis.check_basis(
         checked, picked.take(job.state[f"eigenvectors_{plan.dim}"]),
         group["eigenbasis_tolerance"],
     )
@@ -151,7 +151,7 @@ def decompose(
     full = len(todo) == n
     order = None
     if use_qr:
-        basis, estimates, order = linalg.qr_iteration(
+        basis, estimates, order = eigenbasis.qr_iteration(
             plan.matrix if full else plan.matrix[todo],
             picked.take(job.state[f"eigenvectors_{plan.dim}"], todo),
             group["qr_max_iterations"],
