@@ -34,7 +34,7 @@ from ablation import language_model_parts, warmup_cosine  # noqa: E402
 from common import hardware  # noqa: E402
 from tasks import make_gpt2, text_tokens  # noqa: E402
 
-from hf_shampoo import DistributedShampoo, linalg, quantization  # noqa: E402
+from hf_shampoo import DistributedShampoo, quantization  # noqa: E402
 
 # the configuration of the report: Adam grafting, ε 1e-12, f = 10, blocks of 256
 BASE = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
