@@ -297,3 +297,26 @@ def test_accelerate_wrapper_forwards_train_and_eval():
     assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), y))
     wrapped.train()
     assert opt.param_groups[0]["train_mode"] is True
+
+
+def test_trainer_with_load_best_model_at_end_keeps_the_best_averaged_weights(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel, Trainer
+
+    from tests.test_integration_transformers import dataset, tiny_gpt2, training_args
+
+    model = tiny_gpt2()
+    args = training_args(tmp_path, optim="distributed_shampoo", learning_rate=1e-3,
+                         optim_args="iterate_averaging=gpa", eval_strategy="steps",
+                         eval_steps=2, save_strategy="steps", save_steps=2, max_steps=5,
+                         load_best_model_at_end=True, metric_for_best_model="loss")
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset(4))
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") \
+        else trainer.optimizer
+    assert optimizer.param_groups[0]["train_mode"] is False
+    # the loaded best checkpoint was saved right after its evaluation (averaged weights)
+    # and is left as loaded, not moved again
+    best = GPT2LMHeadModel.from_pretrained(trainer.state.best_model_checkpoint)
+    for a, b in zip(best.parameters(), model.parameters()):
+        assert torch.equal(a.detach(), b.detach())
