@@ -224,7 +224,7 @@ class QuantizedFactors:
                 new = done if kept is None else done[~kept.to(done.device)[done]]
                 if len(new) > 0:  # a kept basis is not quantised again (no drift)
                     quantization.store(state, f"factor_eigenvectors_{j}",
-                                       vectors[new].mT.float(), index[new])
+                                       vectors[new].mT.float().contiguous(), index[new])
             stack.count_failures(f"factor_eigenvectors_{j}", ok,
                                  [job.members[r] for r in rows], job.step)
             results[j] = (done, values[done], vectors[done])
