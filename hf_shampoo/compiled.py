@@ -160,21 +160,12 @@ class CompiledStages:
 
     def apply_grafting(self, state: dict, group, step: int, direction: Tensor,
                        filtered: Tensor, grafting_rows: list[int], out: Tensor) -> Tensor | None:
-        """The grafting direction by the compiled kernel; the norms eager, as in
-        ``stages.apply_grafting``: torch's float32 norm of a large block is off by a few
-        1e-6 (its summation order), and a fused sum in another order would not give
-        eager's numbers."""
-        if group["grafting"] is None:
-            return None
-        reduce = tuple(range(1, direction.dim()))
-        grafted = self.graft(state, group, step, filtered, out)
-        graft_norm = torch.linalg.vector_norm(grafted, dim=reduce, keepdim=True)
-        norm = torch.linalg.vector_norm(direction, dim=reduce, keepdim=True)
-        scale = graft_norm / (norm + stages.GRAFTING_NORM_EPSILON)
-        if grafting_rows:
-            scale[grafting_rows] = 1.0
-            direction[grafting_rows] = grafted[grafting_rows]
-        return scale
+        """``stages.apply_grafting`` with the grafting direction by the compiled kernel; the
+        norms stay eager: torch's float32 norm of a large block is off by a few 1e-6 (its
+        summation order), and a fused sum in another order would not give eager's
+        numbers."""
+        return stages.apply_grafting(state, group, step, direction, filtered, grafting_rows,
+                                     out, graft_fn=self.graft)
 
     def finish_direction(self, state: dict, group, direction: Tensor, scale: Tensor | None,
                          owned: bool, param: Tensor | None, lr: float, out: Tensor,

@@ -61,7 +61,7 @@ class EigendecomposedShampoo(Shampoo):
                     group["orthogonalization"])
                 ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()
             else:
-                basis, values, ok = self._eigh_or_kept(ridge, kept, group)
+                basis, values, ok, _ = self._eigh_or_kept(ridge, kept, group)
             done = ok.nonzero().flatten().to(matrix.device)
             if len(done) < len(ok):
                 basis, values = basis[done], values[done]
@@ -78,9 +78,11 @@ class EigendecomposedShampoo(Shampoo):
 
     @staticmethod
     def _eigh_or_kept(ridge: Tensor, kept: Tensor, group: dict
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Meta's ``eigh`` refresh: with a tolerance, the kept basis and ``diag(QᵀAQ)``
-        where the criterion holds; ``eigh`` (ascending) elsewhere. ``ok`` on the CPU."""
+        where the criterion holds; ``eigh`` (ascending) elsewhere. Returns the bases, the
+        eigenvalues, ``ok`` and which rows kept their basis (the criterion held), both
+        masks on the CPU."""
         n = ridge.shape[0]
         basis = kept.clone(memory_format=torch.contiguous_format)
         values = ridge.new_zeros(n, ridge.shape[-1])
@@ -90,6 +92,8 @@ class EigendecomposedShampoo(Shampoo):
             values.copy_(check.diagonal)
             todo = check.stale.nonzero().flatten()
         ok = torch.ones(n, dtype=torch.bool)
+        held = torch.ones(n, dtype=torch.bool)
+        held[todo.cpu()] = False
         if len(todo):
             eig = linalg.batched_eigh(ridge if len(todo) == n else ridge[todo])
             good = torch.tensor(eig.ok, dtype=torch.bool)
@@ -97,7 +101,7 @@ class EigendecomposedShampoo(Shampoo):
             rows = todo[good.to(todo.device)]
             basis[rows] = eig.eigenvectors[good.to(todo.device)]
             values[rows] = eig.eigenvalues[good.to(todo.device)]
-        return basis, values, ok
+        return basis, values, ok, held
 
 
 class EigendecomposedKLShampoo(EigendecomposedShampoo):

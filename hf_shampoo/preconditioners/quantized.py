@@ -179,7 +179,7 @@ class QuantizedFactors:
         return 0.0
 
     def eigh_refresh(self, state: dict, dim: int, d: int, index: Tensor, factor: Tensor,
-                     group: dict, fresh: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     group: dict, fresh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """``(eigenvalues, eigenvectors, ok, kept)`` of the sampled factors by ``eigh``
         (``kept``: a mask of the rows whose stored basis was re-used, or None)."""
         eig = linalg.batched_eigh(factor)
@@ -286,13 +286,11 @@ class QuantizedEigendecomposedShampoo(QuantizedShampoo, EigendecomposedShampoo):
         return group["eigenbasis_tolerance"]
 
     def eigh_refresh(self, state: dict, dim: int, d: int, index: Tensor, factor: Tensor,
-                     group: dict, fresh: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     group: dict, fresh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         if fresh or group["eigenbasis_tolerance"] == 0:
             return super().eigh_refresh(state, dim, d, index, factor, group, fresh)
         stored = self.eigenvectors(state, dim, d, index, REBUILD_BJORCK_STEPS)
-        vectors, values, ok = self._eigh_or_kept(factor, stored, group)
-        # the rows eigh did not redo hold the stored basis itself
-        kept = (vectors == stored).flatten(1).all(1).cpu()
+        vectors, values, ok, kept = self._eigh_or_kept(factor, stored, group)
         return values, vectors, ok, kept
 
 
