@@ -11,7 +11,11 @@ and the root rebuilt from 4-bit eigenvectors (after Björck steps) and float32 e
 ``train``: the small GPT-2 (the ablation's task) trained by several configurations at
 given peak learning rates, with a warm-up + cosine schedule or at a constant lr after the
 warm-up, for several seeds; prints the validation loss of each and its difference to
-32-bit Shampoo.
+32-bit Shampoo of the same kind and blocks, and the mean time of its runs.
+
+``4-bit, float32 storage`` is 4-bit Shampoo with its state stored and loaded without
+quantisation error (``LosslessStorage``): the same sampled statistics, float32 numbers. It
+separates what the sample cadence costs from what the 4-bit numbers cost.
 
     python benchmarks/quantization_accuracy.py roots --steps 300 --lr 1e-2
     python benchmarks/quantization_accuracy.py train --lrs 3e-3 1e-2 --seeds 0 1 2 \
@@ -21,6 +25,7 @@ warm-up, for several seeds; prints the validation loss of each and its differenc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -35,6 +40,7 @@ from common import hardware  # noqa: E402
 from tasks import make_gpt2, text_tokens  # noqa: E402
 
 from hf_shampoo import DistributedShampoo, quantization  # noqa: E402
+from hf_shampoo.preconditioners.quantized import QuantizedFactors  # noqa: E402
 
 # the configuration of the report: Adam grafting, ε 1e-12, f = 10, blocks of 256
 BASE = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
@@ -56,7 +62,62 @@ CONFIGS = {
                         grafting=None),
     "SOAP 4-bit": dict(BASE, preconditioner="eigenvalue_corrected", epsilon=1e-8,
                        grafting=None, quantization="4bit", statistics_frequency=1),
+    "4-bit, float32 storage": dict(BASE, quantization="4bit"),
+    "32-bit blocks 128": dict(BASE, max_preconditioner_dim=128),
+    "4-bit blocks 128": dict(BASE, max_preconditioner_dim=128, quantization="4bit"),
 }
+# configurations run with their 4-bit state kept in float32 (see LosslessStorage)
+LOSSLESS = {"4-bit, float32 storage"}
+
+
+def reference_of(name: str) -> str:
+    """The 32-bit configuration a configuration is compared with."""
+    if name.startswith("SOAP"):
+        return "SOAP 32-bit"
+    if name.endswith("blocks 128"):
+        return "32-bit blocks 128"
+    return "32-bit"
+
+
+class LosslessStorage(contextlib.AbstractContextManager):
+    """Within it, every matrix the 4-bit state stores (eigenvectors, roots' off-diagonal
+    parts) is also kept in float32 beside its codes and loaded from there: the optimizer
+    runs its 4-bit algorithm (the same samples, decompositions and roots) with float32
+    numbers. Keyed by the codes tensor, which lives as long as the state."""
+
+    def __enter__(self):
+        self.saved = quantization.load, quantization.store
+        self.eigenvectors = QuantizedFactors.eigenvectors
+        load, store = self.saved
+        exact: dict[int, torch.Tensor] = {}
+
+        def lossless_store(state, name, matrices, rows=None):
+            store(state, name, matrices, rows)
+            key = state[f"{name}_codes"].data_ptr()
+            if rows is None:
+                exact[key] = matrices.detach().clone()
+                return
+            if key not in exact:  # the other rows: their initial values (exact in 4 bits)
+                exact[key] = load(state, name, matrices.shape[-1])
+            exact[key].index_copy_(0, rows, matrices.detach())
+
+        def lossless_load(state, name, cols):
+            key = state[f"{name}_codes"].data_ptr()
+            return exact[key].clone() if key in exact else load(state, name, cols)
+
+        def eigenvectors(self, state, dim, d, rows=None, bjorck=0):
+            # rows are taken after loading, so that the whole stack's key is looked up
+            v = quantization.load(state, f"factor_eigenvectors_{dim}", d).mT
+            return quantization.bjorck(v if rows is None else v[rows], bjorck)
+
+        quantization.load, quantization.store = lossless_load, lossless_store
+        QuantizedFactors.eigenvectors = eigenvectors
+        return self
+
+    def __exit__(self, *exc):
+        quantization.load, quantization.store = self.saved
+        QuantizedFactors.eigenvectors = self.eigenvectors
+        return False
 
 
 class Args:
@@ -134,7 +195,12 @@ def roots(args) -> None:
               f"{statistics.median(dvals):.3f} / {max(dvals):.3f} |")
 
 
-def train_one(config: dict, lr: float, seed: int, steps: int, schedule: str) -> float:
+def train_one(name: str, lr: float, seed: int, steps: int, schedule: str) -> float:
+    with LosslessStorage() if name in LOSSLESS else contextlib.nullcontext():
+        return train_config(CONFIGS[name], lr, seed, steps, schedule)
+
+
+def train_config(config: dict, lr: float, seed: int, steps: int, schedule: str) -> float:
     tokens = text_tokens(None)
     batches, loss_fn, evaluate = language_model_parts(Args, *tokens)
     model = make_gpt2(seed, n_embd=128)
@@ -156,24 +222,28 @@ def train(args) -> None:
     torch.set_num_threads(args.threads)
     print(f"{hardware()}; the small GPT-2 (2 layers, 128 wide), {args.steps} steps\n")
     results: dict[tuple, list[float]] = {}
+    times: dict[tuple, list[float]] = {}
     for schedule in args.schedules:
         for lr in args.lrs:
             for name in args.configs:
                 for seed in args.seeds:
                     start = time.process_time()
-                    value = train_one(CONFIGS[name], lr, seed, args.steps, schedule)
+                    value = train_one(name, lr, seed, args.steps, schedule)
+                    seconds = time.process_time() - start
                     results.setdefault((schedule, lr, name), []).append(value)
+                    times.setdefault((schedule, lr, name), []).append(seconds)
                     print(f"{schedule} lr {lr:g} {name} seed {seed}: {value:.4f} "
-                          f"({time.process_time() - start:.0f} s)", flush=True)
-    print("\n| schedule | lr | configuration | val loss | − 32-bit (same kind) |")
-    print("|---|---|---|---|---|")
+                          f"({seconds:.0f} s)", flush=True)
+    print("\n| schedule | lr | configuration | val loss | − 32-bit (same kind) | s per run |")
+    print("|---|---|---|---|---|---|")
     for (schedule, lr, name), values in results.items():
-        reference = results.get((schedule, lr, "SOAP 32-bit" if name.startswith("SOAP")
-                                 else "32-bit"))
+        reference = results.get((schedule, lr, reference_of(name)))
         mean = statistics.mean(values)
         spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
         delta = f"{mean - statistics.mean(reference):+.3f}" if reference else "–"
-        print(f"| {schedule} | {lr:g} | {name} | {mean:.3f}{spread} | {delta} |")
+        seconds = statistics.mean(times[(schedule, lr, name)])
+        print(f"| {schedule} | {lr:g} | {name} | {mean:.3f}{spread} | {delta} | "
+              f"{seconds:.0f} |")
 
 
 def main(argv=None) -> None:
