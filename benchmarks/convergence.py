@@ -52,7 +52,8 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
         out[f"SOAP-desc qr τ={tolerance:g}"] = dict(descending, eigendecomposition="qr",
                                                    eigenbasis_tolerance=tolerance)
     out["KL-Shampoo eigh"] = dict(SHAMPOO, preconditioner="kl_shampoo")
-    # 4-bit state (docs/design.md §5): factors sampled at refresh steps
+    # 4-bit state (docs/design.md §5): factors sampled at refresh steps, after a warm-up
+    # that takes every gradient up to the first refresh
     # (preconditioners/quantized.py)
     out["Shampoo 4-bit eigh"] = dict(SHAMPOO, quantization="4bit")
     for every in (1, 2, 5):
@@ -60,6 +61,7 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
             SHAMPOO, quantization="4bit", statistics_frequency=every)
     out["Shampoo 4-bit qr, statistics every 2"] = dict(
         SHAMPOO, quantization="4bit", statistics_frequency=2, eigendecomposition="qr")
+    out["SOAP 4-bit eigh"] = dict(SOAP, quantization="4bit")
     out["SOAP 4-bit eigh, statistics every 1"] = dict(SOAP, quantization="4bit",
                                                       statistics_frequency=1)
     return out

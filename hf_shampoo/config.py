@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "orthogonalization": "householder",
     "quantization": None,
     "statistics_frequency": None,
+    "statistics_warmup": None,
     "inverse_exponent_override": None,
     "grafting": None,
     "grafting_beta2": 0.999,
@@ -340,6 +341,10 @@ def validate_group(group: dict[str, Any]) -> None:
         _fail("statistics_frequency", group["statistics_frequency"], "it sets how often "
               "4-bit factors are sampled: expected None unless quantization='4bit' (32-bit "
               "factors take every gradient)")
+    if group["quantization"] is None and group["statistics_warmup"] is not None:
+        _fail("statistics_warmup", group["statistics_warmup"], "it sets how many first "
+              "steps sample every gradient into 4-bit factors: expected None unless "
+              "quantization='4bit' (32-bit factors take every gradient)")
     if group["quantization"] == "4bit":
         if group["preconditioner"] in ("kl_shampoo", "eigendecomposed_kl_shampoo"):
             _fail("quantization", "4bit", "4-bit state exists for preconditioner 'shampoo', "
@@ -348,12 +353,15 @@ def validate_group(group: dict[str, Any]) -> None:
                   "are rebuilt from sampled raw gradients, KL-Shampoo's take every step's "
                   "gradient preconditioned by the current roots")
         every = group["statistics_frequency"]
-        if every is None and group["preconditioner"] == "eigenvalue_corrected":
-            _fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo needs an "
-                  "explicit sample cadence: with samples at refresh steps only, one sampled "
-                  "gradient gives rank-deficient factors whose arbitrary eigenbasis meets "
-                  "D's zero entries (it diverged on a small CNN; docs/benchmarks/memory.md); "
-                  "statistics_frequency=1 matched 32 bits")
+        if (every is None and group["statistics_warmup"] == 0
+                and group["preconditioner"] == "eigenvalue_corrected"):
+            _fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo without "
+                  "a warm-up (statistics_warmup=0) needs an explicit sample cadence: with "
+                  "samples at refresh steps only, one sampled gradient gives rank-deficient "
+                  "factors whose arbitrary eigenbasis meets D's zero entries (it diverged on "
+                  "a small CNN; docs/benchmarks/memory.md)")
+        if group["statistics_warmup"] is not None:
+            _check_int("statistics_warmup", group["statistics_warmup"], 0)
         if every is not None:
             _check_int("statistics_frequency", every, 1)
             if group["precondition_frequency"] % every != 0:

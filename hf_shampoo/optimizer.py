@@ -66,6 +66,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         orthogonalization: str = DEFAULTS["orthogonalization"],
         quantization: str | None = DEFAULTS["quantization"],
         statistics_frequency: int | None = DEFAULTS["statistics_frequency"],
+        statistics_warmup: int | None = DEFAULTS["statistics_warmup"],
         inverse_exponent_override: dict | None = DEFAULTS["inverse_exponent_override"],
         grafting: str | None = DEFAULTS["grafting"],
         grafting_beta2: float = DEFAULTS["grafting_beta2"],

@@ -44,6 +44,11 @@ SCENARIOS: dict[str, dict] = {
     "shampoo_4bit": dict(lr=0.01, grafting="adam", precondition_frequency=2,
                          max_preconditioner_dim=16, quantization="4bit",
                          statistics_frequency=1),
+    # 4-bit at its own cadence: every gradient for the first 2 steps of each block's
+    # staggered schedule, then one sample per refresh
+    "shampoo_4bit_warmup": dict(lr=0.01, grafting="adam", precondition_frequency=4,
+                                max_preconditioner_dim=16, quantization="4bit",
+                                statistics_warmup=2, refresh_schedule="staggered"),
     "eigen_qr_4bit": dict(lr=0.01, betas=(0.9, 0.99), epsilon=1e-8, grafting="adam",
                           preconditioner="eigenvalue_corrected", eigendecomposition="qr",
                           precondition_frequency=2, max_preconditioner_dim=16,

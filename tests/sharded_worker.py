@@ -34,7 +34,8 @@ PLAIN = {5}
 NO_GRAD = {1: (2, 3)}  # parameter 1 has no gradient at steps 2 and 3
 SCENARIOS = {name: ddp_worker.SCENARIOS[name] for name in (
     "shampoo_adam", "eigen_qr", "rmsprop_nesterov_l2", "adagrad_corrected_beta3",
-    "staggered_eigen_qr", "bf16_communication", "shampoo_4bit", "eigen_qr_4bit", "muon",
+    "staggered_eigen_qr", "bf16_communication", "shampoo_4bit", "shampoo_4bit_warmup",
+    "eigen_qr_4bit", "muon",
     "muon_whole_bf16_svd", "sign_descent_l1", "diagonal_long_side", "kl_pseudo_inverse",
     "higher_order_roots", "eigendecomposed_kl_qr", "gpa_decoupled", "schedule_free_soap",
     "eigendecomposed_4bit", "compiled_stages")}

@@ -110,7 +110,7 @@ def _regression(quantization_kind, preconditioner="shampoo", steps=60, frequency
                   grafting="adam" if shampoo else None, epsilon=1e-12 if shampoo else 1e-8,
                   precondition_frequency=frequency, preconditioner=preconditioner)
     if quantization_kind == "4bit" and not shampoo:
-        config["statistics_frequency"] = 1  # required with eigenvalue correction
+        config["statistics_frequency"] = 1  # what the test below measures
     opt = DistributedShampoo([w, b], quantization=quantization_kind, **{**config, **kw})
     for _ in range(steps):
         i = torch.randint(0, 512, (batch,), generator=g)
@@ -132,6 +132,14 @@ def test_short_training_within_margin_of_32bit(preconditioner):
     assert four < 0.8 * start
     names = set(opt._ensure_layout().owned[0].state)
     assert "factor_eigenvectors_0_codes" in names and "factor_matrix_0" not in names
+
+
+def test_soap_at_the_default_cadence_within_margin_of_32bit():
+    """4-bit SOAP sampling at refresh steps after the default warm-up (every gradient up to
+    the first refresh): within 5% of 32-bit SOAP's final loss."""
+    full, *_ = _regression(None, "eigenvalue_corrected")
+    four, *_ = _regression("4bit", "eigenvalue_corrected", statistics_frequency=None)
+    assert abs(four - full) <= 0.05 * full
 
 
 def test_first_refresh_roots_close_to_32bit():
@@ -212,8 +220,12 @@ def test_bad_values_are_refused():
         DistributedShampoo([w], quantization="4bit", preconditioner="kl_shampoo")
     with pytest.raises(ValueError, match="quantization='4bit'.*float32"):
         DistributedShampoo([w], quantization="4bit", factor_matrix_dtype=torch.float64)
-    with pytest.raises(ValueError, match="statistics_frequency=None.*eigenvalue-corrected"):
-        DistributedShampoo([w], quantization="4bit", preconditioner="eigenvalue_corrected")
+    with pytest.raises(ValueError, match="statistics_frequency=None.*eigenvalue-corrected.*"
+                                         "statistics_warmup=0"):
+        DistributedShampoo([w], quantization="4bit", preconditioner="eigenvalue_corrected",
+                           statistics_warmup=0)
+    # with the default warm-up the default cadence is accepted
+    DistributedShampoo([w], quantization="4bit", preconditioner="eigenvalue_corrected")
     # the diagonal kind has no factors: 4-bit is accepted and changes nothing
     DistributedShampoo([w], quantization="4bit", preconditioner="diagonal", grafting="adam")
 
@@ -232,7 +244,7 @@ def test_small_factors_stay_32bit():
 def test_statistics_frequency_samples_between_refreshes():
     """With statistics_frequency=1 the 4-bit factors take every gradient (the 32-bit EMA up
     to the code's error), so the roots at the first refresh (step 5) are closer to the
-    32-bit ones than with one sample per refresh."""
+    32-bit ones than with one sample per refresh and no warm-up."""
     def roots(opt):
         stack = opt._ensure_layout().owned[0]
         out = []
@@ -249,9 +261,47 @@ def test_statistics_frequency_samples_between_refreshes():
     full = roots(_regression(None, steps=5, frequency=5, epsilon=1e-4)[1])
     every_step = _regression("4bit", steps=5, frequency=5, epsilon=1e-4,
                              statistics_frequency=1)[1]
-    once = _regression("4bit", steps=5, frequency=5, epsilon=1e-4)[1]
+    once = _regression("4bit", steps=5, frequency=5, epsilon=1e-4, statistics_warmup=0)[1]
     assert error(every_step, full) < 0.1
     assert error(every_step, full) < 0.5 * error(once, full)
+
+
+def test_statistics_warmup_samples_every_step_until_the_first_refresh():
+    """By default every step up to the first refresh is a sample, so the first roots are
+    those of 32 bits (to the code's error), after which one gradient in five enters; with
+    ``statistics_warmup=0`` the first roots come from one gradient."""
+    def eigenvalues(opt):
+        stack = opt._ensure_layout().owned[0]
+        return stack.state["factor_eigenvalues_0"].clone()
+
+    w = torch.zeros(64, 64)
+    seen = []
+    opt = DistributedShampoo([torch.nn.Parameter(w)], quantization="4bit",
+                             precondition_frequency=5, statistics_warmup=None)
+    g = generator(3)
+    for _ in range(12):
+        opt.param_groups[0]["params"][0].grad = torch.randn(64, 64, generator=g)
+        opt.step()
+        seen.append(eigenvalues(opt))
+    changed = [t + 1 for t in range(1, 12) if not torch.equal(seen[t], seen[t - 1])]
+    assert changed == [2, 3, 4, 5, 10]  # warm-up 1-5 (step 1 starts them), then refreshes
+    explicit = DistributedShampoo([torch.nn.Parameter(w.clone())], quantization="4bit",
+                                  precondition_frequency=5, statistics_warmup=3)
+    assert QuantizedShampoo.warmup_steps(explicit.param_groups[0]) == 3
+    assert QuantizedShampoo.warmup_steps(opt.param_groups[0]) == 5
+
+
+def test_statistics_warmup_is_validated():
+    w = torch.nn.Parameter(torch.zeros(64, 64))
+    with pytest.raises(ValueError, match="statistics_warmup=4.*quantization='4bit'"):
+        DistributedShampoo([w], statistics_warmup=4)
+    with pytest.raises(ValueError, match="statistics_warmup=-1.*integer >= 0"):
+        DistributedShampoo([w], quantization="4bit", statistics_warmup=-1)
+    with pytest.raises(ValueError, match="statistics_warmup=2.5"):
+        DistributedShampoo([w], quantization="4bit", statistics_warmup=2.5)
+    from hf_shampoo.integrations.transformers import parse_optim_args
+    assert parse_optim_args("quantization=4bit,statistics_warmup=0").kwargs[
+        "statistics_warmup"] == 0
 
 
 def test_statistics_frequency_is_validated():

@@ -11,9 +11,13 @@ kept and updated as in 32 bits. Everything else (grafting, ``D``, momentum) is f
 
 The factor statistics of the quantised dims follow the paper: a factor is rebuilt from one
 sampled gradient every ``statistics_frequency`` steps (default: ``precondition_frequency``)
-and at refresh steps, instead of every step. With ``Δ`` the steps since the block's
-previous sample (its step count at the first one), ``V`` the dequantised eigenvectors after
-one Björck step and ``λ`` the eigenvalues (0 before the first sample):
+and at refresh steps, instead of every step, except in the first ``statistics_warmup``
+steps of a block's schedule (default: up to its first refresh), where every step is a
+sample, so that the first roots come from every gradient as in 32 bits rather than from
+one (docs/design.md §5: one sampled gradient leaves the first factors rank-deficient).
+With ``Δ`` the steps since the block's previous sample (its step count at the first one),
+``V`` the dequantised eigenvectors after one Björck step and ``λ`` the eigenvalues (0
+before the first sample):
 ``F = β2^Δ · V diag(λ) Vᵀ + (1 − β2^Δ) · G Gᵀ`` (``β2 = 1``: ``F + Δ · G Gᵀ``), so that the
 gradient stands for the ``Δ`` steps since the last sample and ``1 − β2^t`` stays the bias
 correction. ``F`` is then decomposed (``eigh``; warm-started QR from ``V`` with
@@ -100,17 +104,30 @@ class QuantizedFactors:
         """The step on a row's own schedule (the step minus its refresh offset)."""
         return job.step - (job.offsets[row] if job.offsets else 0)
 
+    @staticmethod
+    def warmup_steps(group: dict) -> int:
+        """How many first steps of a block's schedule sample every gradient
+        (``statistics_warmup``; None: up to the first refresh)."""
+        warmup = group["statistics_warmup"]
+        return start_step(group) if warmup is None else warmup
+
     def previous_sample(self, group: dict, t: int) -> int:
         """The step (of a block's own schedule) of its last sample before ``t``; 0: none.
-        Samples: every ``statistics_frequency`` steps and at the refresh steps."""
+        Samples: every step of the warm-up, every ``statistics_frequency`` steps and at the
+        refresh steps."""
         every, start = self.sample_every(group), start_step(group)
-        return max(every * ((t - 1) // every), start if start < t else 0)
+        previous = max(every * ((t - 1) // every), start if start < t else 0)
+        if t - 1 <= self.warmup_steps(group):
+            previous = max(previous, t - 1)
+        return previous
 
     def sample_rows(self, job) -> list[int]:
         """Rows whose quantised factors take a sample this step without refreshing."""
         every, refresh = self.sample_every(job.group), set(job.refresh_rows)
+        warmup = self.warmup_steps(job.group)
         steps = [self.own_step(job, r) for r in range(job.grad.shape[0])]
-        return [r for r, t in enumerate(steps) if r not in refresh and t >= 1 and t % every == 0]
+        return [r for r, t in enumerate(steps)
+                if r not in refresh and t >= 1 and (t % every == 0 or t <= warmup)]
 
     def sampled_factors(self, stack, job, rows: list[int]) -> dict[int, Tensor]:
         """``F`` of each quantised dim for ``rows`` (module docstring), out of place."""

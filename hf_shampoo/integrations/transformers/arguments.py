@@ -74,6 +74,7 @@ _OPTIONAL_TYPES = {
     "inverse_exponent_override": dict,
     "quantization": str,
     "statistics_frequency": int,
+    "statistics_warmup": int,
     "inv_factor_matrix_dtype": torch.dtype,
     "newton_schulz_dtype": torch.dtype,
     "spectral_lr_adjustment": str,
