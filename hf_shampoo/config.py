@@ -353,6 +353,8 @@ def validate_group(group: dict[str, Any]) -> None:
                   "are rebuilt from sampled raw gradients, KL-Shampoo's take every step's "
                   "gradient preconditioned by the current roots")
         every = group["statistics_frequency"]
+        if group["statistics_warmup"] is not None:
+            _check_int("statistics_warmup", group["statistics_warmup"], 0)
         if (every is None and group["statistics_warmup"] == 0
                 and group["preconditioner"] == "eigenvalue_corrected"):
             _fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo without "
@@ -360,8 +362,6 @@ def validate_group(group: dict[str, Any]) -> None:
                   "samples at refresh steps only, one sampled gradient gives rank-deficient "
                   "factors whose arbitrary eigenbasis meets D's zero entries (it diverged on "
                   "a small CNN; docs/benchmarks/memory.md)")
-        if group["statistics_warmup"] is not None:
-            _check_int("statistics_warmup", group["statistics_warmup"], 0)
         if every is not None:
             _check_int("statistics_frequency", every, 1)
             if group["precondition_frequency"] % every != 0:

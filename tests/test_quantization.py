@@ -299,6 +299,10 @@ def test_statistics_warmup_is_validated():
         DistributedShampoo([w], quantization="4bit", statistics_warmup=-1)
     with pytest.raises(ValueError, match="statistics_warmup=2.5"):
         DistributedShampoo([w], quantization="4bit", statistics_warmup=2.5)
+    # checked before SOAP's cadence rule reads it (False would pass for 0 there)
+    with pytest.raises(ValueError, match="statistics_warmup=False.*integer >= 0"):
+        DistributedShampoo([w], quantization="4bit", preconditioner="eigenvalue_corrected",
+                           statistics_warmup=False)
     from hf_shampoo.integrations.transformers import parse_optim_args
     assert parse_optim_args("quantization=4bit,statistics_warmup=0").kwargs[
         "statistics_warmup"] == 0
