@@ -40,7 +40,7 @@ from common import hardware  # noqa: E402
 from tasks import make_gpt2, text_tokens  # noqa: E402
 
 from hf_shampoo import DistributedShampoo, quantization  # noqa: E402
-from hf_shampoo.preconditioners.quantized import QuantizedFactors  # noqa: E402
+from hf_shampoo.preconditioners.quantized import QuantizedFactors, QuantizedShampoo  # noqa: E402
 
 # the configuration of the report: Adam grafting, ε 1e-12, f = 10, blocks of 256
 BASE = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
@@ -141,12 +141,14 @@ def root_errors(factor: torch.Tensor, bias: float, epsilon: float, g: torch.Tens
     root = (vectors * lam.pow(-0.25)) @ vectors.T
     exact = root @ g.double()
     out = {}
-    # the root's float32 diagonal and 4-bit off-diagonal
+    # the state entries of the root (float32 diagonal, 4-bit off-diagonal), read back as
+    # the optimizer reads them
     off = root.float().clone()
-    diagonal = off.diagonal().clone()
+    state = {"inverse_root_0_diagonal": off.diagonal().clone()}
     off.diagonal().zero_()
-    stored = quantization.dequantize(quantization.quantize(off)).double()
-    stored.diagonal().copy_(diagonal.double())
+    quantized = quantization.quantize(off)
+    state.update(inverse_root_0_codes=quantized.codes, inverse_root_0_scales=quantized.scales)
+    stored = QuantizedShampoo.stored_root(state, 0, off.shape[-1]).double()
     # 4-bit eigenvectors (one per row), Björck-rectified, float32 eigenvalues
     v = quantization.dequantize(quantization.quantize(vectors.T.float().contiguous())).mT
     v = quantization.bjorck(v, bjorck_steps).double()
