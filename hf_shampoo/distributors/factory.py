@@ -11,7 +11,14 @@ from torch import Tensor
 
 from .base import Distributor
 from .ddp import DataParallelDistributor
-from .fsdp import LocalShardDistributor, ShardedDistributor, refuse_unsupported, sharding_mesh
+from .fsdp import (
+    LocalShardDistributor,
+    ShardedDistributor,
+    is_dtensor,
+    layout_signature,
+    local_mode_grid,
+    refuse_unsupported,
+)
 from .single import SingleProcessDistributor
 
 
@@ -39,7 +46,8 @@ def make_distributor(
 ) -> Distributor:
     """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" | "fsdp".
 
-    "auto": FSDP2 (``fsdp.py``) when the parameters are ``fully_shard`` DTensors, else
+    "auto": the sharded distributor (``fsdp.py``) when some parameters are DTensors
+    (FSDP2, HSDP, tensor parallel and their products), else
     Accelerate's world when its process state has set up distributed training, else
     torch.distributed's default group when initialised with more than one rank, else one
     process. "ddp" and "fsdp" insist on their kind; "none" is always one process.
@@ -47,16 +55,16 @@ def make_distributor(
     construction, before Accelerate may swap in sharded parameters) defers the check that
     "fsdp" has DTensors to the first step.
     """
-    grid = sharding_mesh(params)
-    if mode in ("none", "ddp") or (mode == "auto" and grid is None):
+    sharded = any(is_dtensor(p) for p in params)
+    if mode in ("none", "ddp") or (mode == "auto" and not sharded):
         refuse_unsupported(params, sharded_ok=False)
     else:
         refuse_unsupported(params, sharded_ok=True)
     if mode == "none":  # (a subclass set by hand, as the benchmarks' simulated ranks, stays)
         return current if current is not None else SingleProcessDistributor()
     initialised = dist.is_available() and dist.is_initialized()
-    if mode == "fsdp" or grid is not None:
-        if grid is None:
+    if mode == "fsdp" or sharded:
+        if not sharded:
             if final:
                 raise ValueError(
                     "DistributedShampoo: distributed='fsdp' needs parameters sharded by "
@@ -68,14 +76,18 @@ def make_distributor(
         if num_trainers_per_group != -1:
             raise ValueError(
                 f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} applies "
-                "to data-parallel training; with FSDP2 parameters blocks are spread over the "
-                "whole mesh (use -1)"
+                "to data-parallel training; with DTensor parameters blocks are spread over "
+                "the whole world (use -1)"
             )
-        kind = ShardedDistributor if fsdp_mode == "lossless" else LocalShardDistributor
-        if type(current) is kind and current.grid == grid:
+        if fsdp_mode == "lossless":
+            signature = layout_signature(params)
+            if type(current) is ShardedDistributor and current.signature == signature:
+                return current
+            return ShardedDistributor(communication_dtype, assignment_cost,
+                                      signature=signature)
+        grid = local_mode_grid(params)
+        if type(current) is LocalShardDistributor and current.grid == grid:
             return current
-        if kind is ShardedDistributor:
-            return ShardedDistributor(grid, communication_dtype, assignment_cost)
         return LocalShardDistributor(grid, communication_dtype)
     if isinstance(current, DataParallelDistributor) or (
         type(current) is SingleProcessDistributor and mode == "auto"

@@ -1,35 +1,33 @@
-"""Sharded parameters (docs/design.md §8): FSDP2 ``fully_shard`` and HSDP meshes.
+"""Sharded parameters (docs/design.md §8): FSDP2, HSDP, tensor parallel and their products.
 
-``fully_shard`` turns every parameter into a DTensor whose rows (dim 0, ``torch.chunk``
-semantics) are spread over the shard dim of a device mesh: ``(Shard(0),)`` on a 1-D mesh,
-``(Replicate(), Shard(0))`` on a 2-D HSDP mesh whose first dim holds identical replicas.
+Every DTensor layout torch and Accelerate produce (``placements.py``) leaves each rank one
+box of each parameter: FSDP2's rows (``Shard(0)``), tensor parallel's columns
+(``Shard(1)``), both at once on a ``(dp_shard, tp)`` mesh, replicas on ``dp_replicate``.
 
 ``ShardedDistributor`` (the default, lossless) blocks every parameter as the full tensor,
-exactly as one process does (docs/design.md §1), and gives each block one owner among all ranks of
-the mesh. A step is three collectives, whatever the number of parameters:
+exactly as one process does (docs/design.md §1), and gives each block one owner among all
+ranks of the world. A step is three collectives, whatever the number of parameters:
 
 1. an ``all_reduce`` of one flag per parameter (which parameters have a gradient);
-2. an ``all_to_all`` that sends each owner the rows of its blocks' gradients (and, with
-   weight decay, parameters) that other ranks of its replica hold;
-3. after the owners computed ``-lr * P``, an ``all_to_all`` that sends every rank of every
-   replica the direction rows of its own shard.
+2. an ``all_to_all`` that sends each owner the parts of its blocks' gradients (and, with
+   weight decay, parameters) that other ranks hold, each part from one of its holders;
+3. after the owners computed ``-lr * P``, an ``all_to_all`` that sends every rank the
+   direction of every part it holds.
 
-A block's rows never travel to a rank that already holds them, and owners are chosen
-among the ranks that hold most of a block's rows while the load stays balanced. With
-float32 communication the parameters are bit-identical to one process.
+A block's part never travels to a rank that already holds it, and owners are chosen among
+the ranks that hold most of a block while the load stays balanced. Each block is computed
+once in the world (never repeated per tensor-parallel rank); with float32 communication
+the parameters are bit-identical to one process.
 
 ``LocalShardDistributor`` (``fsdp_mode="local"``) blocks each rank's local shard as if it
 were the parameter and communicates nothing (Meta's FSDP2 default): cheaper, but the
-numbers depend on the world size.
-
-``refuse_unsupported`` rejects what neither handles (tensor-parallel placements, FSDP1
-flat parameters, DeepSpeed ZeRO) before any state exists.
+numbers depend on the world size; it takes FSDP2's and HSDP's row shards only.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,222 +44,245 @@ from .base import (
     stack_buffer,
     world_any,
 )
-
-_SUPPORTED = (
-    "DistributedShampoo supports plain parameters (one process, DDP) and FSDP2 "
-    "fully_shard parameters: DTensors placed (Shard(0),) on a 1-D mesh or "
-    "(Replicate(), Shard(0)) on a 2-D HSDP mesh"
+from .placements import (
+    Box,
+    HeldBy,
+    holdings,
+    is_dtensor,
+    local_tensor,
+    merged_box,
+    refuse_unsupported,
 )
 
-
-def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
+__all__ = ["LocalShardDistributor", "ShardedDistributor", "is_dtensor", "local_mode_grid",
+           "refuse_unsupported"]
 
 
-def is_dtensor(tensor: Tensor) -> bool:
-    cls = _dtensor_class()
-    return cls is not None and isinstance(tensor, cls)
-
-
-def _describe(index: int, param: Tensor, names: Sequence[str] | None) -> str:
-    if names is not None and index < len(names):
-        return repr(names[index])
-    return f"{index} (shape {tuple(param.shape)})"
-
-
-def refuse_unsupported(
-    params: Sequence[Tensor], sharded_ok: bool = True, names: Sequence[str] | None = None
-) -> None:
-    """Raise ``ValueError`` for parameters no distributor here handles; with
-    ``sharded_ok=False`` also for FSDP2 DTensors (``distributed="none"`` / ``"ddp"``)."""
+def local_mode_grid(params: Sequence[Tensor]) -> list[list[int]] | None:
+    """``fsdp_mode="local"``'s mesh as ``grid[replica][shard]`` (a 1-D mesh is one replica),
+    or None when no parameter is a DTensor; only FSDP2's ``(Shard(0),)`` and HSDP's
+    ``(Replicate(), Shard(0))`` on one mesh, the layouts it can block shard by shard."""
     from torch.distributed.tensor import Replicate, Shard
 
-    meshes = set()
+    grid = None
     for index, param in enumerate(params):
-        where = _describe(index, param, names)
-        if getattr(param, "_is_flat_param", False) or getattr(param, "_fsdp_flattened", False):
-            raise ValueError(
-                f"DistributedShampoo: parameter {where} is an FSDP1 FlatParameter. "
-                f"{_SUPPORTED}. Shard the model with torch.distributed.fsdp.fully_shard "
-                "(FSDP2; Accelerate: fsdp_version: 2; Trainer: fsdp_config={'fsdp_version': 2})"
-            )
-        if any(hasattr(param, a) for a in ("ds_id", "ds_numel", "ds_tensor")):
-            raise ValueError(
-                f"DistributedShampoo: parameter {where} is partitioned by DeepSpeed ZeRO. "
-                f"{_SUPPORTED}. Use FSDP2 (fully_shard) for sharded training, or ZeRO "
-                "stage 0 (data parallel)"
-            )
         if not is_dtensor(param):
             continue
-        if not sharded_ok:
-            raise ValueError(
-                f"DistributedShampoo: parameter {where} is an FSDP2 DTensor, which "
-                "distributed='none' and 'ddp' do not handle; use distributed='auto' or 'fsdp'"
-            )
         mesh, placements = param.device_mesh, tuple(param.placements)
-        if not (
-            (mesh.ndim == 1 and placements == (Shard(0),))
-            or (mesh.ndim == 2 and placements == (Replicate(), Shard(0)))
-        ):
+        ranks = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+        if not ((mesh.ndim == 1 and placements == (Shard(0),))
+                or (mesh.ndim == 2 and placements == (Replicate(), Shard(0)))):
             raise ValueError(
-                f"DistributedShampoo: parameter {where} is a DTensor placed {placements} on a "
-                f"{mesh.ndim}-D mesh. {_SUPPORTED}. Tensor-parallel placements (Shard(1), "
-                "mixed meshes) are not supported: train those parameters with another "
-                "optimizer in a separate parameter set"
-            )
-        meshes.add((tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())))
-    if len(meshes) > 1:
-        raise ValueError(
-            f"DistributedShampoo: the parameters live on {len(meshes)} different device meshes "
-            f"({sorted(meshes)}); {_SUPPORTED}, all on one mesh"
-        )
+                f"DistributedShampoo: fsdp_mode='local' blocks each rank's row shard and "
+                f"takes FSDP2's (Shard(0),) or HSDP's (Replicate(), Shard(0)); parameter "
+                f"{index} (shape {tuple(param.shape)}) is placed {placements} on a "
+                f"{mesh.ndim}-D mesh. Use fsdp_mode='lossless' (the default) for tensor "
+                "parallel layouts")
+        if grid is not None and ranks != grid:
+            raise ValueError(
+                "DistributedShampoo: fsdp_mode='local' needs every parameter on one mesh; "
+                f"found {grid} and {ranks}. Use fsdp_mode='lossless' (the default)")
+        grid = ranks
+    return grid
 
 
-def sharding_mesh(params: Sequence[Tensor]) -> list[list[int]] | None:
-    """The ranks of the parameters' mesh as ``grid[replica][shard]`` (a 1-D mesh is one
-    replica), or None when no parameter is a DTensor."""
-    for param in params:
-        if is_dtensor(param):
-            ranks = param.device_mesh.mesh
-            return ranks.reshape(-1, ranks.shape[-1]).tolist()
-    return None
+def layout_signature(params: Sequence[Tensor]) -> tuple:
+    """What the lossless plan depends on beyond the blocks: every DTensor's mesh and
+    placements (a distributor is kept while this stays the same)."""
+    return tuple((tuple(p.device_mesh.mesh.flatten().tolist()), tuple(p.placements))
+                 if is_dtensor(p) else None for p in params)
 
 
-@dataclass(frozen=True)
-class RowSharding:
-    """Which rows of a parameter's merged view (docs/design.md §1) each shard index holds.
+@dataclass(frozen=True, eq=False)
+class Cut:
+    """The part of one block that one group of replicas (``ranks``) holds.
 
-    ``fully_shard`` splits dim 0 with ``torch.chunk``; a range of dim-0 rows is a range
-    of merged rows, because merging keeps dim 0 in the first merged dim. A plain
-    (replicated) parameter has one "shard" holding every row, on every rank.
+    A *box cut* is a box of the parameter's merged view: ``in_block`` slices the block,
+    ``in_local`` slices the holders' local tensor viewed as ``local_shape``. An *index
+    cut* (a shard that is not a box of the merged view, as a column shard of a small
+    matrix merged into one dim) holds flat indices into the block and the local tensor.
     """
 
-    ranges: tuple[tuple[int, int], ...]  # per shard index: [lo, hi) in merged rows
-    replicated: bool  # a plain parameter: every rank holds every row
+    ranks: tuple[int, ...]
+    numel: int
+    shape: tuple[int, ...]  # of the part, as the slices give it ((numel,) for an index cut)
+    in_block: tuple[slice, ...] | Tensor
+    in_local: tuple[slice, ...] | Tensor
+    local_shape: tuple[int, ...] | None  # None for an index cut
 
-    @classmethod
-    def of(cls, param: Tensor, merged: tuple[int, ...], num_shards: int) -> RowSharding:
-        if not is_dtensor(param):
-            return cls(((0, merged[0]),), True)
-        return cls.for_shape(tuple(param.shape), merged, num_shards)
-
-    @classmethod
-    def for_shape(cls, shape: tuple[int, ...], merged: tuple[int, ...],
-                  num_shards: int) -> RowSharding:
-        """Rows of each shard of a parameter of this (full) shape, dim 0 chunked."""
-        numel, rows = math.prod(shape), merged[0]
-        dim0 = shape[0] if len(shape) > 0 else 1
-        chunk = -(-dim0 // num_shards)
-        row_numel = numel // rows if rows else 0  # elements of one merged row
-        per_row = numel // dim0 if dim0 else 0  # elements of one dim-0 row
-        ranges = []
-        for s in range(num_shards):
-            lo, hi = min(s * chunk, dim0), min((s + 1) * chunk, dim0)
-            if row_numel == 0:
-                ranges.append((0, 0))
-                continue
-            ranges.append((lo * per_row // row_numel, hi * per_row // row_numel))
-        return cls(tuple(ranges), False)
+    @property
+    def is_box(self) -> bool:
+        return self.local_shape is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Piece:
-    """Rows ``[lo, hi)`` (merged rows of the parameter) of one block, moving between ranks."""
+    """A cut of a block of a stack, moving between ranks."""
 
-    block: object  # BlockRef
+    cut: Cut
     stack: object  # BlockStack
     member: int  # position in the stack
-    lo: int
-    hi: int
-    shard_lo: int  # first merged row of the shard that holds the piece on the other side
+
+    @property
+    def block(self):
+        return self.stack.members[self.member]
 
     @property
     def numel(self) -> int:
-        return (self.hi - self.lo) * math.prod(self.stack.shape[1:])
+        return self.cut.numel
 
-    def block_rows(self, tensor: Tensor) -> Tensor:
-        """The piece's rows of a ``(*block shape)`` tensor (a direction or a gradient)."""
-        start = self.block.slices[0].start if self.block.slices is not None else 0
-        return tensor[self.lo - start : self.hi - start]
+    def block_part(self, tensor: Tensor) -> Tensor:
+        """The piece of a block-shaped tensor (a direction), a view for a box cut."""
+        cut = self.cut
+        return tensor[cut.in_block] if cut.is_box else tensor.reshape(-1)[cut.in_block]
 
-    def shard_rows(self, local: Tensor, merged: tuple[int, ...]) -> Tensor:
-        """The piece within a rank's local shard (shaped like the parameter's local tensor)."""
-        rows = local.reshape(-1, *merged[1:]) if len(merged) > 1 else local.reshape(-1)
-        view = rows[self.lo - self.shard_lo : self.hi - self.shard_lo]
-        if self.block.slices is not None:
-            view = view[(slice(None), *self.block.slices[1:])]
-        return view
+    def write_block(self, tensor: Tensor, values: Tensor) -> None:
+        """Write ``values`` (any shape, the piece's elements in order) into a block-shaped
+        contiguous tensor (a row of the owner's gathered buffers)."""
+        cut = self.cut
+        if cut.is_box:
+            tensor[cut.in_block].copy_(values.view(cut.shape))
+        else:
+            tensor.view(-1)[cut.in_block] = values.reshape(-1).to(tensor.dtype)
+
+    def local_part(self, local: Tensor) -> Tensor:
+        """The piece of a holder's local tensor (a gradient shard), for reading."""
+        cut = self.cut
+        if cut.is_box:
+            return local.reshape(cut.local_shape)[cut.in_local]
+        return local.reshape(-1)[cut.in_local]
 
 
 class ShardedDistributor(Distributor):
-    """Lossless FSDP2 / HSDP training: full-parameter blocks, one owner each (see top)."""
+    """Lossless training of DTensor parameters: full-parameter blocks, one owner each in
+    the world (see top). ``boxes_of`` (``placements.holdings`` by default) says which box
+    of each parameter every rank holds; a planner without a process group passes its own,
+    with ``rank`` and ``world_size``."""
 
     is_sharded_state = True
 
     def __init__(
-        self, grid: list[list[int]], communication_dtype: torch.dtype,
-        assignment_cost: str = "memory", balance_slack: float = 0.1,
+        self, communication_dtype: torch.dtype = torch.float32,
+        assignment_cost: str = "memory", balance_slack: float = 0.1, *,
+        rank: int | None = None, world_size: int | None = None,
+        boxes_of: Callable[[dict[int, Tensor], dict[int, str]], dict[int, list]] | None = None,
+        signature: tuple = (),
     ) -> None:
         super().__init__(communication_dtype)
-        world = dist.get_world_size()
-        ranks = sorted(r for row in grid for r in row)
-        if ranks != list(range(world)):
-            raise ValueError(
-                f"DistributedShampoo: the FSDP mesh holds ranks {ranks}, the process group "
-                f"{world} ranks; a mesh must span the whole world"
-            )
-        self.grid = grid
-        self.num_replicas, self.num_shards = len(grid), len(grid[0])
-        self.world_size = world
-        self.rank = dist.get_rank()
-        self.coordinate = next((i, row.index(self.rank)) for i, row in enumerate(grid)
-                               if self.rank in row)
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.rank = dist.get_rank() if rank is None else rank
+        self.boxes_of = boxes_of or (lambda params, names: holdings(params, self.world_size,
+                                                                      names))
+        self.signature = signature
         self.assignment_cost = assignment_cost
         self.balance_slack = balance_slack
-        self.shardings: dict[int, RowSharding] = {}  # param_index → rows per shard
+        self.held: dict[int, tuple[HeldBy, tuple[Box, ...] | None]] = {}
+        self._boxes: dict[int, list] = {}
+        self._cuts: dict[tuple[int, int], list[Cut]] = {}
         self.pieces_in: list[tuple[int, Piece]] = []  # (source rank, piece) for my blocks
-        self.pieces_out: list[tuple[int, Piece]] = []  # (owner rank, piece) of my shard
+        self.pieces_out: list[tuple[int, Piece]] = []  # (owner rank, piece) that I send
         self.directions_out: list[tuple[int, Piece]] = []  # (holder rank, piece), my blocks
-        self.directions_in: list[tuple[int, Piece]] = []  # (owner rank, piece) of my shard
-        self.local_pieces: list[Piece] = []  # rows of my blocks that I hold myself
+        self.directions_in: list[tuple[int, Piece]] = []  # (owner rank, piece) I hold
+        self.local_pieces: list[Piece] = []  # parts of my blocks that I hold myself
         self.bytes_last_step = 0  # sent + received by this rank in the last step
+        self._device = torch.device("cpu")
+        self._active: set[tuple[int, int]] = set()
+        self._params_of: dict[int, bool] = {}
 
     def global_rank_and_world(self) -> tuple[int, int]:
         return self.rank, self.world_size
 
     # ------------------------------------------------------------- layout
-    def holders(self, sharding: RowSharding, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """``(shard, lo, hi)`` of each shard index holding rows of ``[lo, hi)``."""
-        out = []
-        for s, (a, b) in enumerate(sharding.ranges):
-            x, y = max(lo, a), min(hi, b)
-            if x < y:
-                out.append((s, x, y))
-        return out
+    def learn_boxes(self, blocks: Sequence) -> None:
+        """Every rank's box of the blocks' parameters (a collective when a parameter lives
+        on a sub-mesh: every rank lays out the same blocks at the same time)."""
+        params = {b.param_index: b.param for b in blocks}
+        names = {b.param_index: b.name for b in blocks}
+        self._boxes.update(self.boxes_of(params, names))
+        for index in params:
+            self.held.pop(index, None)
+        self._cuts = {k: v for k, v in self._cuts.items() if k[0] not in params}
+
+    def holding(self, block) -> tuple[HeldBy, tuple[Box, ...] | None]:
+        """Who holds what of the block's parameter, with the boxes in merged dims (None
+        when some box is not a box of the merged view: index cuts)."""
+        found = self.held.get(block.param_index)
+        if found is None:
+            shape = tuple(block.param.shape)
+            held = HeldBy.of(shape, self._boxes[block.param_index], repr(block.name))
+            merged = [merged_box(box, shape, block.merged) for box in held.boxes]
+            found = (held, None if any(m is None for m in merged) else tuple(merged))
+            self.held[block.param_index] = found
+        return found
+
+    def cuts(self, block) -> list[Cut]:
+        """The parts of ``block`` each group of replicas holds (none empty)."""
+        key = (block.param_index, block.block_index)
+        found = self._cuts.get(key)
+        if found is None:
+            found = self._cuts[key] = self._make_cuts(block)
+        return found
+
+    def _make_cuts(self, block) -> list[Cut]:
+        held, merged_boxes = self.holding(block)
+        lo = [0] * len(block.merged) if block.slices is None else [s.start for s in
+                                                                   block.slices]
+        hi = list(block.merged) if block.slices is None else [s.stop for s in block.slices]
+        cuts = []
+        if merged_boxes is not None:
+            for ranks, box in zip(held.ranks, merged_boxes):
+                inter = [(max(a, x), min(b, y)) for (a, b), x, y in zip(box, lo, hi)]
+                if any(x >= y for x, y in inter):
+                    continue
+                cuts.append(Cut(
+                    ranks, math.prod(y - x for x, y in inter), tuple(y - x for x, y in inter),
+                    tuple(slice(x - s, y - s) for (x, y), s in zip(inter, lo)),
+                    tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(inter, box)),
+                    tuple(b - a for a, b in box)))
+            return cuts
+        device = block.param.device
+        numel = math.prod(held.shape)
+        positions = torch.arange(numel)
+        in_block = positions.view(block.merged)[tuple(slice(x, y) for x, y in
+                                                      zip(lo, hi))].reshape(-1)
+        where = torch.full((numel,), -1, dtype=torch.long)
+        where[in_block] = torch.arange(in_block.numel())
+        for ranks, box in zip(held.ranks, held.boxes):
+            flat = positions.view(held.shape)[tuple(slice(a, b) for a, b in box)].reshape(-1)
+            at = where[flat]
+            mask = at >= 0
+            count = int(mask.sum())
+            if count:
+                cuts.append(Cut(ranks, count, (count,), at[mask].to(device),
+                                mask.nonzero().squeeze(1).to(device), None))
+        return cuts
+
+    @staticmethod
+    def source_of(cut: Cut, cuts: list[Cut], owner: int) -> int:
+        """Which holder of ``cut`` sends its gradient to ``owner``: the owner itself, else
+        the holder in the owner's position among its own replicas (HSDP: the owner's
+        replica), so that the sending is spread."""
+        if owner in cut.ranks:
+            return owner
+        own = next((c.ranks for c in cuts if owner in c.ranks), None)
+        position = own.index(owner) if own is not None else owner
+        return cut.ranks[position % len(cut.ranks)]
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
         """Greedy, heaviest block first: the least-loaded rank among those holding most of
-        the block's rows, unless that would load it beyond ``(1 + balance_slack)`` times
-        the average; then the least-loaded rank of all. Deterministic everywhere."""
+        the block, unless that would load it beyond ``(1 + balance_slack)`` times the
+        average; then the least-loaded rank of all. Deterministic everywhere."""
+        self.learn_boxes(blocks)
         costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
         capacity = (1.0 + self.balance_slack) * sum(costs) / self.world_size
         load = dict.fromkeys(range(self.world_size), 0.0)
         owners = [0] * len(blocks)
         for i in sorted(range(len(blocks)), key=lambda i: (-costs[i], i)):
-            block = blocks[i]
-            sharding = self._sharding(block)
-            lo, hi = self._rows(block)
+            cuts = self.cuts(blocks[i])
             preferred = list(range(self.world_size))
-            if not sharding.replicated:
-                held = self.holders(sharding, lo, hi)
-                if held:
-                    best = max(y - x for _, x, y in held)
-                    shards = [s for s, x, y in held if y - x == best]
-                    preferred = [row[s] for row in self.grid for s in shards]
+            if cuts:
+                best = max(c.numel for c in cuts)
+                preferred = sorted(r for c in cuts if c.numel == best for r in c.ranks)
             owner = min(preferred, key=lambda r: (load[r], r))
             if load[owner] + costs[i] > capacity:
                 owner = min(load, key=lambda r: (load[r], r))
@@ -269,77 +290,71 @@ class ShardedDistributor(Distributor):
             load[owner] += costs[i]
         return owners
 
-    def _sharding(self, block) -> RowSharding:
-        sharding = self.shardings.get(block.param_index)
-        if sharding is None:
-            sharding = RowSharding.of(block.param, block.merged, self.num_shards)
-            self.shardings[block.param_index] = sharding
-        return sharding
-
-    @staticmethod
-    def _rows(block) -> tuple[int, int]:
-        if block.slices is None:
-            return 0, block.merged[0]
-        return block.slices[0].start, block.slices[0].stop
-
     def allocate_directions(self, stacks) -> None:
         """Direction tensors of owned stacks, and the step's communication plan."""
         self.pieces_in, self.pieces_out = [], []
         self.directions_in, self.directions_out, self.local_pieces = [], [], []
         self._device = stacks[0].device if stacks else torch.device("cpu")
-        my_shard = self.coordinate[1]
         for stack in stacks:
-            mine = stack.rank == self.rank
+            owner = stack.rank
+            mine = owner == self.rank
             if mine:
                 stack.directions = torch.zeros((len(stack.members), *stack.shape),
                                                dtype=stack.work_dtype, device=stack.device)
-            owner_replica = next(i for i, row in enumerate(self.grid) if stack.rank in row)
             for member, block in enumerate(stack.members):
-                sharding = self._sharding(block)
-                lo, hi = self._rows(block)
-                if sharding.replicated:  # every rank holds every row
-                    piece = Piece(block, stack, member, lo, hi, 0)
-                    if mine:
-                        self.local_pieces.append(piece)
-                        self.directions_out += [(r, piece) for r in range(self.world_size)
-                                                if r != self.rank]
-                    else:
-                        self.directions_in.append((stack.rank, piece))
-                    continue
-                for s, x, y in self.holders(sharding, lo, hi):
-                    piece = Piece(block, stack, member, x, y, sharding.ranges[s][0])
-                    source = self.grid[owner_replica][s]  # gradient rows from my replica
+                cuts = self.cuts(block)
+                for cut in cuts:
+                    piece = Piece(cut, stack, member)
+                    source = self.source_of(cut, cuts, owner)
                     if mine:
                         if source == self.rank:
                             self.local_pieces.append(piece)
                         else:
                             self.pieces_in.append((source, piece))
-                        self.directions_out += [(row[s], piece) for row in self.grid
-                                                if row[s] != self.rank]
+                        self.directions_out += [(r, piece) for r in cut.ranks
+                                                if r != self.rank]
                     else:
                         if source == self.rank:
-                            self.pieces_out.append((stack.rank, piece))
-                        if s == my_shard:
-                            self.directions_in.append((stack.rank, piece))
+                            self.pieces_out.append((owner, piece))
+                        if self.rank in cut.ranks:
+                            self.directions_in.append((owner, piece))
 
     def needs_reallocation(self, stacks) -> bool:
         return any(s.rank == self.rank and (s.directions is None or s.directions.device
                                             != s.device) for s in stacks)
+
+    def planned_bytes(self, dtype: torch.dtype = torch.float32, with_params: bool = False
+                      ) -> int:
+        """Bytes this rank sends plus receives in a step where every block has a
+        gradient: gradient parts (and parameter parts) in, directions out."""
+        factor = 2 if with_params else 1
+        grads = sum(p.numel for _, p in self.pieces_in) + sum(p.numel for _, p in
+                                                              self.pieces_out)
+        directions = sum(p.numel for _, p in self.directions_in) + sum(
+            p.numel for _, p in self.directions_out)
+        return (factor * grads + directions) * dtype.itemsize
 
     # ------------------------------------------------------------- one step
     def active_members(self, stacks, check_finite: bool = False
                        ) -> tuple[dict[int, list[int]], list[int]]:
         """Blocks of parameters that have a gradient on any rank and, with
         ``check_finite``, the parameters whose gradient shard holds a nan or an inf on any
-        rank: both in one ``all_reduce``, so that every rank agrees on what moves."""
+        rank: both in one ``all_reduce``, so that every rank agrees on what moves. A
+        gradient placed otherwise than its parameter is redistributed to the parameter's
+        placements first (torch's DTensor collectives, in parameter order everywhere)."""
         self.bytes_last_step = 0
         params = params_with_gradients(stacks)
+        for param in params.values():
+            _match_placements(param)
         has_grad, bad = _flags_on_every_rank(params, check_finite)
         return ({id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
                  for stack in stacks}, bad)
 
+    def _is_active(self, piece: Piece) -> bool:
+        return (id(piece.stack), piece.member) in self._active
+
     def prepare_step(self, layout, active: dict[int, list[int]], needs_params) -> None:
-        """Gradient (and parameter, where ``needs_params(stack)``) rows → owners."""
+        """Gradient (and parameter, where ``needs_params(stack)``) parts → owners."""
         self._active = {(id(s), m) for s in layout.stacks for m in active[id(s)]}
         dtype = _exchange_dtype(layout.stacks)
         self._params_of = {id(s): needs_params(s) for s in layout.stacks}
@@ -349,48 +364,48 @@ class ShardedDistributor(Distributor):
                 if self._params_of[id(stack)]:
                     stack_buffer(stack, "gathered_param")
 
-        def pieces_of(tensor_name):
-            def take(piece: Piece):
-                param = piece.block.param
-                source = param.grad if tensor_name == "grad" else param
-                if source is None:  # no gradient here, but elsewhere: zeros (FSDP keeps none)
-                    return torch.zeros((piece.hi - piece.lo, *piece.stack.shape[1:]),
-                                       dtype=dtype, device=param.device)
-                return piece.shard_rows(_local(source), piece.block.merged)
-            return take
+        def grad_of(piece: Piece) -> Tensor:
+            grad = piece.block.param.grad
+            if grad is None:  # no gradient here, but elsewhere: zeros (FSDP keeps none)
+                return torch.zeros(piece.cut.shape, dtype=dtype, device=piece.block.param.device)
+            return piece.local_part(local_tensor(grad))
 
-        grad_of, param_of = pieces_of("grad"), pieces_of("param")
-        # 1. my shard's rows of other ranks' blocks
+        def param_of(piece: Piece) -> Tensor:
+            return piece.local_part(local_tensor(piece.block.param))
+
+        def with_params(piece: Piece) -> bool:
+            return self._params_of[id(piece.stack)]
+
+        # 1. my parts of other ranks' blocks
         send: list[list[Tensor]] = [[] for _ in range(self.world_size)]
         for owner, piece in self.pieces_out:
-            if (id(piece.stack), piece.member) not in self._active:
-                continue
-            send[owner].append(grad_of(piece))
-            if self._params_of[id(piece.stack)]:
-                send[owner].append(param_of(piece))
+            if self._is_active(piece):
+                send[owner].append(grad_of(piece))
+                if with_params(piece):
+                    send[owner].append(param_of(piece))
         recv_sizes = [0] * self.world_size
         for source, piece in self.pieces_in:
-            if (id(piece.stack), piece.member) in self._active:
-                recv_sizes[source] += piece.numel * (2 if self._params_of[id(piece.stack)] else 1)
+            if self._is_active(piece):
+                recv_sizes[source] += piece.numel * (2 if with_params(piece) else 1)
         received = self._all_to_all(send, recv_sizes, dtype)
-        # 2. my own rows of my blocks, then the received ones, into the owners' buffers
+        # 2. my own parts of my blocks, then the received ones, into the owners' buffers
         for piece in self.local_pieces:
-            if (id(piece.stack), piece.member) not in self._active:
-                continue
-            piece.block_rows(piece.stack.gathered_grad[piece.member]).copy_(grad_of(piece))
-            if self._params_of[id(piece.stack)]:
-                piece.block_rows(piece.stack.gathered_param[piece.member]).copy_(param_of(piece))
+            if self._is_active(piece):
+                piece.write_block(piece.stack.gathered_grad[piece.member], grad_of(piece))
+                if with_params(piece):
+                    piece.write_block(piece.stack.gathered_param[piece.member],
+                                      param_of(piece))
         offsets = [0] * self.world_size
         for source, piece in self.pieces_in:
-            if (id(piece.stack), piece.member) not in self._active:
+            if not self._is_active(piece):
                 continue
             targets = [piece.stack.gathered_grad]
-            if self._params_of[id(piece.stack)]:
+            if with_params(piece):
                 targets.append(piece.stack.gathered_param)
             for target in targets:
-                rows = piece.block_rows(target[piece.member])
                 start = offsets[source]
-                rows.copy_(received[source][start : start + piece.numel].view(rows.shape))
+                piece.write_block(target[piece.member],
+                                  received[source][start : start + piece.numel])
                 offsets[source] += piece.numel
 
     def any_rank(self, flag: bool) -> bool:
@@ -414,40 +429,42 @@ class ShardedDistributor(Distributor):
         self.finish_step(layout, moving)
 
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
-        """Direction rows → every rank holding them; add them to the local shards."""
+        """Direction parts → every rank holding them; add them to the local shards."""
         comm = self.communication_dtype
         send: list[list[Tensor]] = [[] for _ in range(self.world_size)]
         for holder, piece in self.directions_out:
-            if (id(piece.stack), piece.member) in self._active:
-                send[holder].append(piece.block_rows(piece.stack.directions[piece.member]))
+            if self._is_active(piece):
+                send[holder].append(piece.block_part(piece.stack.directions[piece.member]))
         recv_sizes = [0] * self.world_size
         for owner, piece in self.directions_in:
-            if (id(piece.stack), piece.member) in self._active:
+            if self._is_active(piece):
                 recv_sizes[owner] += piece.numel
         received = self._all_to_all(send, recv_sizes, comm)
-        targets: list[Tensor] = []
-        updates: list[Tensor] = []
+        adds: list[tuple[Piece, Tensor]] = []
         for piece in self.local_pieces:
-            if (id(piece.stack), piece.member) not in self._active:
-                continue
-            update = piece.block_rows(piece.stack.directions[piece.member])
-            targets.append(self._shard_view(piece))
-            # through the communication dtype, as every other holder of these rows gets it
-            updates.append(update if update.dtype == comm else update.to(comm))
+            if self._is_active(piece):
+                update = piece.block_part(piece.stack.directions[piece.member])
+                # through the communication dtype, as every other holder gets it
+                adds.append((piece, update if update.dtype == comm else update.to(comm)))
         offsets = [0] * self.world_size
         for owner, piece in self.directions_in:
-            if (id(piece.stack), piece.member) not in self._active:
-                continue
-            target = self._shard_view(piece)
-            start = offsets[owner]
-            updates.append(received[owner][start : start + piece.numel].view(target.shape))
-            targets.append(target)
-            offsets[owner] += piece.numel
+            if self._is_active(piece):
+                start = offsets[owner]
+                adds.append((piece, received[owner][start : start + piece.numel]))
+                offsets[owner] += piece.numel
+        targets: list[Tensor] = []
+        updates: list[Tensor] = []
+        for piece, update in adds:
+            local = local_tensor(piece.block.param)
+            if piece.cut.is_box:
+                target = local.view(piece.cut.local_shape)[piece.cut.in_local]
+                targets.append(target)
+                updates.append(update.view(target.shape))
+            else:
+                local.view(-1).index_add_(0, piece.cut.in_local,
+                                          update.reshape(-1).to(local.dtype))
         if targets:
             torch._foreach_add_(targets, updates)
-
-    def _shard_view(self, piece: Piece) -> Tensor:
-        return piece.shard_rows(_local(piece.block.param), piece.block.merged)
 
     def _all_to_all(self, send: list[list[Tensor]], recv_sizes: list[int],
                     dtype: torch.dtype) -> list[Tensor]:
@@ -465,6 +482,17 @@ class ShardedDistributor(Distributor):
         return list(out.split(recv_sizes))
 
 
+def _match_placements(param: Tensor) -> None:
+    """A DTensor gradient placed otherwise than its parameter (a ``Partial`` sum left by a
+    tensor-parallel backward) is redistributed to the parameter's placements."""
+    grad = param.grad
+    if grad is None or not is_dtensor(param) or not is_dtensor(grad):
+        return
+    if tuple(grad.placements) != tuple(param.placements) or grad.device_mesh != \
+            param.device_mesh:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool
                          ) -> tuple[set[int], list[int]]:
     """Which parameters have a gradient on some rank, and (``check_finite``) which have a
@@ -477,7 +505,7 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool
                             device=device)
     with_grad = [k for k, i in enumerate(order) if params[i].grad is not None]
     if check_finite and with_grad:
-        bad = nonfinite_flags([_local(params[order[k]].grad) for k in with_grad])
+        bad = nonfinite_flags([local_tensor(params[order[k]].grad) for k in with_grad])
         flags[1, torch.tensor(with_grad, device=device)] = bad.to(torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     has_grad, nonfinite = flags.tolist()
@@ -513,7 +541,7 @@ class LocalShardDistributor(Distributor):
         return self.global_rank, self.world
 
     def local(self, tensor: Tensor) -> Tensor:
-        return _local(tensor)
+        return local_tensor(tensor)
 
     def state_key_prefix(self) -> str:
         return f"shard{self.shard_index}of{self.num_shards}."
@@ -539,7 +567,3 @@ class LocalShardDistributor(Distributor):
 
     def any_rank(self, flag: bool) -> bool:
         return flag  # as in one process: ranks never wait for each other here
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if is_dtensor(tensor) else tensor

@@ -1,0 +1,268 @@
+"""Which part of every parameter each rank holds, for any DTensor layout (docs/design.md §8).
+
+FSDP2, HSDP, tensor parallelism (``parallelize_module``: ``Shard(0)`` colwise, ``Shard(1)``
+rowwise, ``Replicate()``), their products on 2-D and 3-D meshes (``_StridedShard`` where
+FSDP2 shards a dim that TP already shards), expert parallelism and Accelerate's flattened
+``dp_shard_cp`` dims all leave each rank one *box* of the full parameter: a range per dim.
+``holdings`` finds every rank's box of every parameter: from the parameter's own mesh when
+that mesh spans the world, and with one ``all_gather_object`` when some parameter lives on
+a sub-mesh (tensor parallel inside data parallel). ``HeldBy`` groups ranks holding the
+same box (replicas) and checks that the boxes tile the parameter.
+
+``refuse_unsupported`` rejects what has no box (``Partial``, custom placements), FSDP1 flat
+parameters and DeepSpeed ZeRO partitions, before any state exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+#: ``[lo, hi)`` per dim of the full parameter
+Box = tuple[tuple[int, int], ...]
+
+SUPPORTED = (
+    "DistributedShampoo supports plain parameters (one process, DDP) and DTensor parameters "
+    "placed with Shard(d) (FSDP2's strided shards included) and Replicate() on any mesh: "
+    "FSDP2, HSDP, tensor parallel (parallelize_module) and their products"
+)
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor: Tensor) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """A DTensor's local part; a plain tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def describe_param(index: int, param: Tensor, names: Sequence[str] | None) -> str:
+    if names is not None and index < len(names):
+        return repr(names[index])
+    return f"{index} (shape {tuple(param.shape)})"
+
+
+def placement_problem(placements: Sequence) -> str | None:
+    """Why a DTensor placed so has no box per rank (None when it has one)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    try:  # FSDP2's shard of a dim that tensor parallelism already shards
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - older torch
+        _StridedShard = Shard
+    for placement in placements:
+        if isinstance(placement, (Shard, _StridedShard, Replicate)):
+            continue
+        if getattr(placement, "is_partial", lambda: False)():
+            return (f"{placement} holds partial sums, not values (a gradient placement, "
+                    "not a parameter's)")
+        return f"{placement} is not a placement it can map to rows and columns"
+    return None
+
+
+def refuse_unsupported(
+    params: Sequence[Tensor], sharded_ok: bool = True, names: Sequence[str] | None = None
+) -> None:
+    """Raise ``ValueError`` for parameters no distributor here handles; with
+    ``sharded_ok=False`` also for DTensors (``distributed="none"`` / ``"ddp"``)."""
+    for index, param in enumerate(params):
+        where = describe_param(index, param, names)
+        if getattr(param, "_is_flat_param", False) or getattr(param, "_fsdp_flattened", False):
+            raise ValueError(
+                f"DistributedShampoo: parameter {where} is an FSDP1 FlatParameter. "
+                f"{SUPPORTED}. Shard the model with torch.distributed.fsdp.fully_shard "
+                "(FSDP2; Accelerate: fsdp_version: 2; Trainer: fsdp_config={'fsdp_version': 2})"
+            )
+        if any(hasattr(param, a) for a in ("ds_id", "ds_numel", "ds_tensor")):
+            raise ValueError(
+                f"DistributedShampoo: parameter {where} is partitioned by DeepSpeed ZeRO. "
+                f"{SUPPORTED}. Use FSDP2 (fully_shard) for sharded training, or ZeRO "
+                "stage 0 (data parallel)"
+            )
+        if not is_dtensor(param):
+            continue
+        if not sharded_ok:
+            raise ValueError(
+                f"DistributedShampoo: parameter {where} is a DTensor (FSDP2 or tensor "
+                "parallel), which distributed='none' and 'ddp' do not handle; use "
+                "distributed='auto' or 'fsdp'"
+            )
+        problem = placement_problem(param.placements)
+        if problem is not None:
+            raise ValueError(
+                f"DistributedShampoo: parameter {where} is a DTensor placed "
+                f"{tuple(param.placements)} on a {param.device_mesh.ndim}-D mesh: {problem}. "
+                f"{SUPPORTED}"
+            )
+
+
+def mesh_boxes(param: Tensor) -> dict[int, Box | None]:
+    """Global rank → its box of a DTensor parameter, for every rank of the parameter's
+    mesh (None for a rank whose shard is empty), from the placements alone."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh = param.device_mesh
+    ranks = mesh.mesh
+    shape = tuple(param.shape)
+    out: dict[int, Box | None] = {}
+    for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
+        local, offset = _compute_local_shape_and_global_offset(
+            shape, tuple(ranks.shape), list(coordinate), param.placements)
+        rank = int(ranks[coordinate])
+        if any(n == 0 for n in local):
+            out[rank] = None
+        else:
+            out[rank] = tuple((o, o + n) for o, n in zip(offset, local))
+    return out
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None = None,
+             gather: bool = True) -> dict[int, list[Box | None]]:
+    """``param_index`` → every global rank's box (None: it holds nothing). A plain
+    parameter is held whole by every rank. Parameters on a mesh smaller than the world
+    (a sub-mesh) need every rank's view: one ``all_gather_object`` (``gather``), which
+    every rank reaches because layouts are built by every rank alike."""
+    out: dict[int, list[Box | None]] = {}
+    partial: dict[int, dict[int, Box | None]] = {}
+    for index, param in params.items():
+        if not is_dtensor(param):
+            out[index] = [full_box(param.shape)] * world
+            continue
+        boxes = mesh_boxes(param)
+        _check_local(index, param, boxes, names)
+        if len(boxes) == world:
+            out[index] = [boxes[r] for r in range(world)]
+        else:
+            partial[index] = boxes
+    if partial:
+        if not gather:
+            raise ValueError("DistributedShampoo: parameters on sub-meshes need a process "
+                             "group to find every rank's shard")
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, partial)
+        for index in partial:
+            merged: dict[int, Box | None] = {}
+            for seen in everyone:
+                merged.update(seen.get(index, {}))
+            missing = [r for r in range(world) if r not in merged]
+            if missing:
+                raise ValueError(
+                    f"DistributedShampoo: parameter {_name(index, params[index], names)} is "
+                    f"held by no mesh on ranks {missing}; every rank must hold every "
+                    "parameter (pipeline-parallel stages need one optimizer per stage)")
+            out[index] = [merged[r] for r in range(world)]
+    return out
+
+
+def _name(index: int, param: Tensor, names: dict[int, str] | None) -> str:
+    if names and index in names:
+        return repr(names[index])
+    return f"{index} (shape {tuple(param.shape)})"
+
+
+def _check_local(index: int, param: Tensor, boxes: dict[int, Box | None],
+                 names: dict[int, str] | None) -> None:
+    """This rank's box must be the shape of its local tensor (else the placement means
+    something the box arithmetic does not know)."""
+    mine = boxes.get(dist.get_rank()) if dist.is_initialized() else None
+    local = tuple(param.to_local().shape)
+    expected = tuple(hi - lo for lo, hi in mine) if mine is not None else None
+    if mine is None and math.prod(local) == 0:
+        return
+    if dist.is_initialized() and expected != local:
+        raise ValueError(
+            f"DistributedShampoo: parameter {_name(index, param, names)} placed "
+            f"{tuple(param.placements)}: its local shard is {local}, but the placements give "
+            f"this rank {expected}. {SUPPORTED}")
+
+
+@dataclass(frozen=True)
+class HeldBy:
+    """One parameter's boxes grouped: ``boxes[k]`` is held by every rank of ``ranks[k]``
+    (replicas), the boxes are disjoint and together cover the parameter."""
+
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    ranks: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, shape: Sequence[int], per_rank: Sequence[Box | None], name: str) -> HeldBy:
+        groups: dict[Box, list[int]] = {}
+        for rank, box in enumerate(per_rank):
+            if box is not None:
+                groups.setdefault(box, []).append(rank)
+        boxes = sorted(groups)
+        for a, b in itertools.combinations(boxes, 2):
+            if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
+                raise ValueError(
+                    f"DistributedShampoo: parameter {name}: ranks {groups[a]} and {groups[b]} "
+                    f"hold overlapping parts {a} and {b}. {SUPPORTED}")
+        volume = sum(math.prod(hi - lo for lo, hi in box) for box in boxes)
+        numel = math.prod(int(n) for n in shape)
+        if volume != numel:
+            raise ValueError(
+                f"DistributedShampoo: parameter {name} (shape {tuple(shape)}): the ranks' "
+                f"shards hold {volume} of its {numel} elements. {SUPPORTED}")
+        return cls(tuple(int(n) for n in shape), tuple(boxes),
+                   tuple(tuple(groups[b]) for b in boxes))
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.boxes) == 1
+
+
+def merged_box(box: Box, shape: Sequence[int], merged: Sequence[int]) -> Box | None:
+    """``box`` (in the parameter's dims) as a box of its merged view (docs/design.md §1),
+    or None when it is not one there (a merged dim whose inner dims are cut)."""
+    groups = merge_groups(shape, merged)
+    out = []
+    for dims in groups:
+        # contiguous in the flattened group: singletons, then one range, then full dims
+        k = next((i for i, d in enumerate(dims) if box[d][1] - box[d][0] != 1), len(dims))
+        if any(box[d] != (0, shape[d]) for d in dims[k + 1:]):
+            return None
+        lo = hi = 0
+        for position, d in enumerate(dims):
+            stride = math.prod(shape[e] for e in dims[position + 1:])
+            lo += box[d][0] * stride
+            hi += (box[d][1] - 1) * stride
+        out.append((lo, hi + 1))
+    return tuple(out)
+
+
+def merge_groups(shape: Sequence[int], merged: Sequence[int]) -> list[list[int]]:
+    """Which of the parameter's dims make up each merged dim (size-1 dims join the
+    group they sit in or the last one)."""
+    if math.prod(int(n) for n in shape) != math.prod(merged):
+        raise ValueError(f"shape {tuple(shape)} does not merge into {tuple(merged)}")
+    groups: list[list[int]] = [[] for _ in merged]
+    j, product = 0, 1
+    for d, n in enumerate(shape):
+        if j >= len(merged):
+            groups[-1].append(d)
+            continue
+        groups[j].append(d)
+        product *= int(n)
+        if product == merged[j]:
+            j, product = j + 1, 1
+    return groups
