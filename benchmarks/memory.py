@@ -5,7 +5,7 @@ with and without 4-bit state, on ResNet-50 and GPT-2-small shapes, per rank at w
 Computed, not sampled: every state tensor the optimizer would allocate (``expected_state``
 of each block, with its dtype), placed on ranks by the same assignment code the optimizer
 runs (``distributed.greedy_assignment`` for DDP, the lossless FSDP2 planner of
-``distributors/fsdp.py`` through ``sharded_scaling.SimulatedSharded``). AdamW keeps two float32
+``distributors/fsdp.py`` through ``sharded_scaling.simulated_sharded``). AdamW keeps two float32
 moments per parameter, sharded evenly under FSDP2 and replicated under DDP. Workspace and
 communication buffers are not state and are not counted (``sharded_scaling.py`` has them).
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_model  # noqa: E402
-from sharded_scaling import SimulatedSharded, block_shape, blocks_of  # noqa: E402
+from sharded_scaling import block_shape, blocks_of, simulated_sharded  # noqa: E402
 
 from hf_shampoo.config import DEFAULTS  # noqa: E402
 from hf_shampoo.distributors import block_cost, greedy_assignment  # noqa: E402
@@ -58,7 +58,7 @@ def per_rank(params, group: dict, world: int, mode: str, max_dim: int) -> list[i
     if mode == "ddp":
         owners = greedy_assignment([block_cost(s) for s in shapes], world)
     else:
-        owners = SimulatedSharded(world).assign(blocks, shapes)
+        owners = simulated_sharded(world).assign(blocks, shapes)
     ranks = [0] * world
     for shape, owner in zip(shapes, owners):
         ranks[owner] += state_bytes(shape, group)[0]

@@ -39,7 +39,8 @@ from hf_shampoo import DistributedShampoo  # noqa: E402
 from hf_shampoo.blocking import ParamBlocking  # noqa: E402
 from hf_shampoo.config import DEFAULTS  # noqa: E402
 from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment  # noqa: E402
-from hf_shampoo.distributors.fsdp import RowSharding, ShardedDistributor  # noqa: E402
+from hf_shampoo.distributors.fsdp import ShardedDistributor  # noqa: E402
+from hf_shampoo.distributors.placements import chunk_boxes  # noqa: E402
 from hf_shampoo.stack import BlockRef, BlockStack  # noqa: E402
 
 MIB = 2.0**20
@@ -51,21 +52,11 @@ def state_numel(shape: tuple[int, ...], group: dict) -> int:
     return sum(math.prod(s) for s, _ in stack.expected_state(group).values())
 
 
-class SimulatedSharded(ShardedDistributor):
-    """The lossless distributor's assignment for one rank of a ``world``-rank 1-D mesh."""
-
-    def __init__(self, world: int) -> None:  # no process group: only planning
-        self.grid = [list(range(world))]
-        self.num_replicas, self.num_shards, self.world_size = 1, world, world
-        self.assignment_cost, self.balance_slack = "memory", 0.1
-        self.shardings = {}
-
-    def _sharding(self, block) -> RowSharding:
-        sharding = self.shardings.get(block.param_index)
-        if sharding is None:
-            sharding = RowSharding.for_shape(block.param.shape, block.merged, self.num_shards)
-            self.shardings[block.param_index] = sharding
-        return sharding
+def simulated_sharded(world: int) -> ShardedDistributor:
+    """The lossless distributor's plan for rank 0 of a ``world``-rank FSDP2 mesh (rows
+    chunked as ``fully_shard`` does), without a process group."""
+    return ShardedDistributor(rank=0, world_size=world, boxes_of=lambda params, names: {
+        i: chunk_boxes(p.shape, world) for i, p in params.items()})
 
 
 def blocks_of(params, max_dim: int) -> list[BlockRef]:
@@ -85,7 +76,7 @@ def block_shape(block) -> tuple[int, ...]:
 
 
 def lossless(params, world: int, max_dim: int) -> dict:
-    d = SimulatedSharded(world)
+    d = simulated_sharded(world)
     blocks = blocks_of(params, max_dim)
     owners = d.assign(blocks, [block_shape(b) for b in blocks])
     state = [0] * world
@@ -96,13 +87,10 @@ def lossless(params, world: int, max_dim: int) -> dict:
         shape = block_shape(block)
         state[owner] += state_numel(shape, GROUP) * 4
         buffers[owner] += 2 * math.prod(shape) * 4  # gathered gradient + direction
-        sharding = d._sharding(block)
-        lo, hi = d._rows(block)
-        row = math.prod(shape[1:])
-        for s, x, y in d.holders(sharding, lo, hi):
-            holder = d.grid[0][s]
+        for cut in d.cuts(block):
+            holder = cut.ranks[0]  # one holder per part on a 1-D mesh
             if holder != owner:  # gradient rows in, direction rows back
-                nbytes = (y - x) * row * 4
+                nbytes = cut.numel * 4
                 sent[holder] += nbytes
                 received[owner] += nbytes
                 sent[owner] += nbytes
@@ -173,7 +161,7 @@ class SimulatedOwner(SingleProcessDistributor):
         self.world_size, self.rank = world, rank
 
     def assign(self, blocks, block_shapes):
-        return SimulatedSharded(self.world_size).assign(blocks, block_shapes)
+        return simulated_sharded(self.world_size).assign(blocks, block_shapes)
 
 
 def busiest(params, world: int, max_dim: int, scheme: str) -> int:
@@ -195,7 +183,7 @@ def busiest(params, world: int, max_dim: int, scheme: str) -> int:
                     state[r] += sum(state_numel(b, GROUP) for b in ParamBlocking.of(
                         (n, *p.shape[1:]) if p.dim() else (), max_dim).block_shapes)
         return max(range(world), key=lambda r: state[r])
-    d = SimulatedSharded(world)
+    d = simulated_sharded(world)
     blocks = blocks_of(params, max_dim)
     for block, owner in zip(blocks, d.assign(blocks, [block_shape(b) for b in blocks])):
         state[owner] += state_numel(block_shape(block), GROUP)

@@ -254,21 +254,28 @@ class DistributedShampoo(torch.optim.Optimizer):
         return ChainMap(overrides, group) if overrides else group
 
     def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
-        owners = self._distributor.assign(
-            blocks, [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
-        )
-        stacks: dict[tuple, BlockStack] = {}
-        for block, owner in zip(blocks, owners):
+        shapes = [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
+        kinds: list[tuple] = []  # per block: what its stack is made of, but the owner
+        for block, shape in zip(blocks, shapes):
             group = self.param_groups[block.group_index]
-            shape = blockings[block.param_index].block_shapes[block.block_index]
             wide = torch.float64 in (block.param.dtype, group["factor_matrix_dtype"])
             work_dtype = torch.float64 if wide else torch.float32
             overrides = vector_settings(group) if is_vector_like(block.param.shape) else {}
-            key = (owner, block.group_index, shape, block.param.device, work_dtype,
-                   tuple(sorted(overrides.items())))
+            kinds.append((block.group_index, shape, block.param.device, work_dtype,
+                          tuple(sorted(overrides.items()))))
+        # what each block costs its owner, as its kind holds and computes it
+        cost, priced = self.defaults["assignment_cost"], {}
+        for kind in set(kinds):
+            gi, shape, _, work_dtype, overrides = kind
+            probe = BlockStack(gi, shape, [], work_dtype, overrides=dict(overrides))
+            priced[kind] = probe.assignment_cost(probe.settings(self.param_groups), cost)
+        owners = self._distributor.assign(blocks, shapes, [priced[k] for k in kinds])
+        stacks: dict[tuple, BlockStack] = {}
+        for block, owner, kind in zip(blocks, owners, kinds):
+            key = (owner, *kind)
             if key not in stacks:
-                stacks[key] = BlockStack(block.group_index, shape, [], work_dtype, rank=owner,
-                                         overrides=overrides)
+                stacks[key] = BlockStack(kind[0], kind[1], [], kind[3], rank=owner,
+                                         overrides=dict(kind[4]))
             stacks[key].members.append(block)
         return sorted(stacks.values(), key=lambda s: s.rank)
 

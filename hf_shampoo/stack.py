@@ -138,6 +138,17 @@ class BlockStack:
         shapes.update(stages.state_shapes(group, self.shape, self.work_dtype))
         return shapes
 
+    def assignment_cost(self, group: Mapping, cost: str) -> float:
+        """What one of these blocks costs its owner (``assignment_cost``): ``"memory"``,
+        the bytes of its state as its kind and stages keep it plus the step's gathered
+        gradient and direction; ``"compute"``, its kind's floating-point operations per
+        step (``Preconditioner.step_flops``)."""
+        if cost == "memory":
+            buffers = 2 * math.prod(self.shape) * torch.empty(0, dtype=self.work_dtype
+                                                               ).element_size()
+            return float(sum(self.state_bytes(group).values()) + buffers)
+        return float(kind_of(group).step_flops(self.shape, group))
+
     def state_bytes(self, group: dict) -> dict[str, int]:
         """Name → bytes of one block's state tensor (of ``expected_state``)."""
         return {name: math.prod(shape) * torch.empty(0, dtype=dtype).element_size()

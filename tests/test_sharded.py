@@ -200,17 +200,19 @@ def test_fully_shard_model_with_backward_and_clipping(runs, mesh):
 
 
 # ----------------------------------------------------------------- planning (no process group)
-def test_row_sharding_follows_torch_chunk_in_merged_rows():
+def test_row_shards_are_boxes_of_the_merged_view_in_torch_chunk_sizes():
     from hf_shampoo.blocking import merged_shape
-    from hf_shampoo.distributors.fsdp import RowSharding
+    from hf_shampoo.distributors.placements import chunk_boxes, merged_box
 
     def ranges(shape, max_dim, shards):
-        return RowSharding.for_shape(shape, merged_shape(shape, max_dim), shards).ranges
+        merged = merged_shape(shape, max_dim)
+        return tuple((0, 0) if box is None else merged_box(box, shape, merged)[0]
+                     for box in chunk_boxes(shape, shards))
 
     assert ranges((5, 4), 32, 3) == ((0, 8), (8, 16), (16, 20))  # merged (20,): elements
     assert ranges((10, 3, 3, 3), 128, 3) == ((0, 4), (4, 8), (8, 10))  # merged (10, 27)
-    assert ranges((2, 5), 4, 3) == ((0, 1), (1, 2), (2, 2))  # the third shard is empty
-    assert ranges((1, 6), 4, 2) == ((0, 6), (6, 6))  # a dropped size-1 dim 0: one shard
+    assert ranges((2, 5), 4, 3) == ((0, 1), (1, 2), (0, 0))  # the third shard is empty
+    assert ranges((1, 6), 4, 2) == ((0, 6), (0, 0))  # a dropped size-1 dim 0: one shard
     for shape in [(7, 3), (12, 5, 2), (9,)]:  # shard sizes are torch.chunk's, in elements
         for shards in (2, 3, 4):
             merged = merged_shape(shape, 8)
@@ -220,22 +222,41 @@ def test_row_sharding_follows_torch_chunk_in_merged_rows():
             assert sizes[:len(chunks)] == chunks and sum(sizes) == torch.Size(shape).numel()
 
 
+def test_column_shards_of_a_merged_matrix_are_no_box_there():
+    from hf_shampoo.distributors.placements import chunk_boxes, merge_groups, merged_box
+
+    assert merge_groups((10, 3, 3, 3), (10, 27)) == [[0], [1, 2, 3]]
+    assert merge_groups((1, 17, 64), (1, 1088)) == [[0], [1, 2]]
+    # input channels of a conv: a range of its merged columns
+    assert merged_box(chunk_boxes((10, 3, 3, 3), 3, dim=1)[1], (10, 3, 3, 3), (10, 27)) \
+        == ((0, 10), (9, 18))
+    # a column shard of a (5, 4) matrix merged into (20,) is strided there: index cuts
+    assert merged_box(chunk_boxes((5, 4), 2, dim=1)[0], (5, 4), (20,)) is None
+    assert merged_box(((2, 3), (1, 3)), (5, 4), (20,)) == ((9, 11),)  # one row's part
+
+
+def test_overlapping_or_missing_shards_are_refused():
+    from hf_shampoo.distributors.placements import HeldBy
+
+    with pytest.raises(ValueError, match="overlapping"):
+        HeldBy.of((4, 4), [((0, 3), (0, 4)), ((2, 4), (0, 4))], "'w'")
+    with pytest.raises(ValueError, match="hold 8 of its 16 elements"):
+        HeldBy.of((4, 4), [((0, 2), (0, 4)), ((0, 2), (0, 4))], "'w'")
+    held = HeldBy.of((4, 4), [((0, 2), (0, 4)), ((2, 4), (0, 4)), ((0, 2), (0, 4)), None], "w")
+    assert held.ranks == ((0, 2), (1,)) and not held.replicated
+
+
 class _Planner:
     """The lossless assignment for a simulated 1-D mesh (no process group)."""
 
     def __init__(self, world):
-        from hf_shampoo.distributors.fsdp import RowSharding, ShardedDistributor
+        from hf_shampoo.distributors.fsdp import ShardedDistributor
+        from hf_shampoo.distributors.placements import chunk_boxes
 
-        class Planner(ShardedDistributor):
-            def __init__(self):
-                self.grid, self.num_replicas, self.num_shards = [list(range(world))], 1, world
-                self.world_size, self.assignment_cost, self.balance_slack = world, "memory", 0.1
-                self.shardings = {}
-
-            def _sharding(self, block):
-                return RowSharding.for_shape(tuple(block.param.shape), block.merged, world)
-
-        self.planner = Planner()
+        self.planner = ShardedDistributor(
+            rank=0, world_size=world,
+            boxes_of=lambda params, names: {i: chunk_boxes(p.shape, world)
+                                            for i, p in params.items()})
 
     def assign(self, shapes, max_dim):
         from hf_shampoo.blocking import ParamBlocking

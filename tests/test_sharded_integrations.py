@@ -83,20 +83,25 @@ def _no_state(opt: DistributedShampoo) -> bool:
     return opt._layout is None or not any(s.state for s in opt._layout.stacks)
 
 
-def test_tensor_parallel_placement_is_refused(one_rank_group):
-    from torch.distributed.tensor import Shard
+def test_partial_placement_is_refused_before_any_state(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
 
-    param = _dtensor((4, 6), [Shard(1)])
-    with pytest.raises(ValueError, match=r"Shard\(dim=1\).*Tensor-parallel"):
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    param = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 6), mesh, [Partial()]))
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(4, 6\)\) is a DTensor placed "
+                                         r"\(Partial\(sum\),\).*partial sums"):
         DistributedShampoo([param])
 
 
-def test_2d_mesh_other_than_hsdp_is_refused(one_rank_group):
+def test_local_mode_refuses_tensor_parallel_placements(one_rank_group):
     from torch.distributed.tensor import Shard
 
     param = _dtensor((4, 6), [Shard(0), Shard(1)], (1, 1), ("dp", "tp"))
-    with pytest.raises(ValueError, match="HSDP"):
-        DistributedShampoo([param])
+    with pytest.raises(ValueError, match="fsdp_mode='local'.*fsdp_mode='lossless'"):
+        opt = DistributedShampoo([param], fsdp_mode="local")
+        param.grad = torch.zeros_like(param)
+        opt.step()
 
 
 def test_fsdp1_flat_parameter_is_refused():
@@ -143,13 +148,16 @@ def test_bad_fsdp_mode_is_refused():
         DistributedShampoo([torch.nn.Parameter(torch.randn(3))], fsdp_mode="sharded")
 
 
-def test_one_rank_mesh_is_one_process(one_rank_group):
-    """A 1-rank FSDP2 mesh: the sharded path, bit-identical to plain tensors."""
-    from torch.distributed.tensor import Shard
+@pytest.mark.parametrize("placement", ["Shard(0)", "Shard(1)", "Replicate()"])
+def test_one_rank_mesh_is_one_process(one_rank_group, placement):
+    """A 1-rank FSDP2 or tensor-parallel mesh: the sharded path, bit-identical to plain
+    tensors."""
+    from torch.distributed.tensor import Replicate, Shard
 
     torch.manual_seed(0)
-    full = [torch.randn(6, 5), torch.randn(7)]
-    sharded = [_dtensor(t.shape, [Shard(0)]) for t in full]
+    full = [torch.randn(6, 5), torch.randn(7, 3)]
+    where = {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Replicate()": Replicate()}[placement]
+    sharded = [_dtensor(t.shape, [where]) for t in full]
     for p, t in zip(sharded, full):
         p.data.to_local().copy_(t)
     plain = [torch.nn.Parameter(t.clone()) for t in full]

@@ -82,8 +82,11 @@ class Distributor:
         """The shape a parameter is blocked as (docs/design.md §1: the full parameter's)."""
         return tuple(self.local(param).shape)
 
-    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
-        """The owning rank (within this distributor's group) of every block."""
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
+               costs: Sequence[float] | None = None) -> list[int]:
+        """The owning rank (within this distributor's group) of every block; ``costs``
+        (what each block costs its owner, ``BlockStack.assignment_cost``) balance the
+        ranks, ``block_cost`` of the shape where not given."""
         raise NotImplementedError
 
     def allocate_directions(self, stacks) -> None:

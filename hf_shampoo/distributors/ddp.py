@@ -55,8 +55,10 @@ class DataParallelDistributor(Distributor):
     def global_rank_and_world(self) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
 
-    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
-        costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
+               costs: Sequence[float] | None = None) -> list[int]:
+        if costs is None:
+            costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
         return greedy_assignment(costs, self.world_size)
 
     def allocate_directions(self, stacks) -> None:

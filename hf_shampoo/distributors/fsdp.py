@@ -268,12 +268,14 @@ class ShardedDistributor(Distributor):
         position = own.index(owner) if own is not None else owner
         return cut.ranks[position % len(cut.ranks)]
 
-    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
+               costs: Sequence[float] | None = None) -> list[int]:
         """Greedy, heaviest block first: the least-loaded rank among those holding most of
         the block, unless that would load it beyond ``(1 + balance_slack)`` times the
         average; then the least-loaded rank of all. Deterministic everywhere."""
         self.learn_boxes(blocks)
-        costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
+        if costs is None:
+            costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
         capacity = (1.0 + self.balance_slack) * sum(costs) / self.world_size
         load = dict.fromkeys(range(self.world_size), 0.0)
         owners = [0] * len(blocks)
@@ -556,7 +558,8 @@ class LocalShardDistributor(Distributor):
             bad = [OTHER_RANK]
         return active, bad
 
-    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
+               costs: Sequence[float] | None = None) -> list[int]:
         return [0] * len(block_shapes)  # every rank owns the blocks of its own shards
 
     def allocate_directions(self, stacks) -> None:

@@ -266,3 +266,21 @@ def merge_groups(shape: Sequence[int], merged: Sequence[int]) -> list[list[int]]
         if product == merged[j]:
             j, product = j + 1, 1
     return groups
+
+
+def chunk_boxes(shape: Sequence[int], num_shards: int, dim: int = 0) -> list[Box | None]:
+    """The boxes of ``Shard(dim)`` over ``num_shards`` ranks (``torch.chunk``'s sizes, as
+    FSDP2 and tensor parallelism cut), for planning without a process group."""
+    shape = tuple(int(n) for n in shape)
+    if not shape:
+        return [()] + [None] * (num_shards - 1)
+    size = shape[dim]
+    chunk = -(-size // num_shards)
+    out: list[Box | None] = []
+    for s in range(num_shards):
+        lo, hi = min(s * chunk, size), min((s + 1) * chunk, size)
+        if lo >= hi:
+            out.append(None)
+            continue
+        out.append(tuple((lo, hi) if d == dim else (0, n) for d, n in enumerate(shape)))
+    return out

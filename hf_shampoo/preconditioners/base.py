@@ -11,6 +11,8 @@ are the shared ``stages``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -34,6 +36,20 @@ class Preconditioner:
     def preconditioned_dims(self, group: dict, order: int) -> list[int]:
         """Dims with a Kronecker factor."""
         return [j for j, e in enumerate(dim_exponents(group, order)) if e != 0]
+
+    def step_flops(self, shape: tuple[int, ...], group: dict) -> float:
+        """What one block of this shape costs its owner per step, in floating-point
+        operations (the ``"compute"`` assignment cost): a factor update and a
+        preconditioning product per factored dim, each ``2 d · numel``, and an amortized
+        refresh of about ``10 d³`` per ``precondition_frequency`` steps; elementwise
+        passes (about ``10 · numel``) for every kind."""
+        numel = math.prod(shape)
+        flops = 10.0 * numel
+        frequency = max(int(group.get("precondition_frequency", 1) or 1), 1)
+        for j in self.preconditioned_dims(group, len(shape)):
+            d = shape[j]
+            flops += 4.0 * d * numel + 10.0 * d**3 / frequency
+        return flops
 
     def keeps_basis(self, group: dict) -> bool:
         """Whether eigenvectors are state."""

@@ -27,6 +27,16 @@ class SpectralDescent(Preconditioner):
     def preconditioned_dims(self, group: dict, order: int) -> list[int]:
         return []
 
+    def step_flops(self, shape: tuple[int, ...], group: dict) -> float:
+        """Newton–Schulz: per iteration ``X Xᵀ`` (``2 s² n``), its square (``2 s³``) and the
+        product with ``X`` (``2 s² n``), ``s = min(m, n)``; an SVD about ``10 m n s``."""
+        rows, cols = shape
+        small = min(rows, cols)
+        if group["spectral_orthogonalization"] == "svd":
+            return 10.0 * rows * cols * small
+        per_iteration = 4.0 * small * small * max(rows, cols) + 2.0 * small**3
+        return group["newton_schulz_iterations"] * per_iteration + 10.0 * rows * cols
+
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch) -> Tensor:
         group = job.group
         if group["spectral_orthogonalization"] == "svd":  # in the factor dtype
