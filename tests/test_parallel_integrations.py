@@ -1,0 +1,157 @@
+"""A transformers model sharded tensor parallel 2 x FSDP2 2 on 4 gloo ranks, trained by
+hf_shampoo (tests/transformers_tp_worker.py): by a plain loop with ``make_optimizer``
+(Shampoo's transformer preset and the muon preset), the model sharded by transformers'
+``from_pretrained(distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` and by
+torch's ``apply_tensor_parallelism`` + ``fully_shard``; and by the Trainer with
+``optim="distributed_shampoo"`` / ``"distributed_muon"``.
+
+Each is compared with one process training the same model on the same full batch.
+Tolerances: the model is float64 and Shampoo's factor matrices are float64, but hf_shampoo
+sends gradient and direction parts in ``communication_dtype=float32`` (float64 is not an
+allowed choice), transformers' causal-LM loss casts the logits to float32 (the Trainer
+tests use it; the loop computes its own float64 loss), and the tensor-parallel and FSDP
+reductions add in another order than one process. The ranks end within float32 rounding of
+one process: measured after 3 steps, loop 8.9e-9 (Shampoo) and 7.7e-8 (Muon), Trainer
+5.5e-9 / 2.6e-8 absolute, asserted with ``atol=1e-6`` (parameters are O(0.1), norms O(1)).
+With float32 factor matrices Shampoo's inverse roots amplify that rounding (2.5e-8 in the
+loop, 5e-6 on the vocabulary tables through the Trainer, whose epsilon is 1e-12), and with a
+float32 model to 1.5e-3 (2% relative): no tolerance there would tell a wrong block from
+rounding, hence float64. Across ranks the full parameters are equal bit for bit.
+
+The Trainer needs one test-only bypass on CPU (``allow_parallelism_config_on_cpu`` in the
+worker: Accelerate refuses the ``ParallelismConfig`` the Trainer builds for a TP model on a
+non-GPU backend); it runs with ``save_strategy="no"`` because transformers 5.24 refuses to
+checkpoint the optimizer of a model sharded at load time (trainer.py:632).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests import transformers_tp_worker as worker
+from tests.helpers import one_thread_per_process
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+HOWS = ["distcfg", "torch"]
+ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    worker.make_tiny(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def loop_runs(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_loop")
+    with one_thread_per_process():
+        mp.spawn(worker.run_world, args=(tiny, str(out / "init"), str(out), HOWS),
+                 nprocs=worker.WORLD, join=True)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(worker.WORLD)]
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return results
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    return {name: worker.train_one_process(tiny, name) for name in worker.OPTIMIZERS}
+
+
+def _assert_params_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _assert_ranks_equal(per_rank: list[dict]) -> None:
+    for other in per_rank[1:]:
+        for name, value in per_rank[0].items():
+            assert torch.equal(other[name], value), name
+
+
+CASES = [(how, name) for how in HOWS for name in worker.OPTIMIZERS]
+
+
+@pytest.mark.parametrize(("how", "name"), CASES)
+def test_sharded_as_torch_and_transformers_shard_it(loop_runs, how, name):
+    placements = loop_runs[0][f"{how}_{name}"]["placements"]
+    assert len(placements) == 21  # every parameter a DTensor
+    colwise = placements["model.layers.0.self_attn.q_proj.weight"]
+    assert "_StridedShard(dim=0, sf=2)" in colwise and "Shard(dim=0)" in colwise
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert placements["model.norm.weight"] == "(Shard(dim=0),)"  # on the fsdp sub-mesh
+
+
+@pytest.mark.parametrize(("how", "name"), CASES)
+def test_loop_every_rank_ends_with_the_one_process_parameters(loop_runs, references, how, name):
+    per_rank = [r[f"{how}_{name}"] for r in loop_runs]
+    assert all(r["kind"] == "ShardedDistributor" for r in per_rank)
+    _assert_ranks_equal([r["params"] for r in per_rank])
+    _assert_params_close(per_rank[0]["params"], references[name]["params"])
+    # each rank's loss is its data-parallel half's; the halves' mean is the full batch's
+    # (ranks 0, 1 and 2, 3 are the two coordinates' tensor-parallel pairs)
+    mean = torch.tensor([r["losses"] for r in per_rank], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(references[name]["losses"],
+                                                  dtype=torch.float64), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize(("how", "name"), CASES)
+def test_loop_every_block_has_its_state_once_in_the_world(loop_runs, references, how, name):
+    shares = [r[f"{how}_{name}"]["state_numel"] for r in loop_runs]
+    total = references[name]["state_numel"]
+    assert sum(shares) == total
+    assert max(shares) < total / 2  # spread over the ranks, never all on one
+
+
+# ---------------------------------------------------------------------------- the Trainer
+OPTIMS = ["distributed_shampoo", "distributed_muon"]
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_trainer")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
+    # the worktree's hf_shampoo, not whichever copy the environment has installed
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", str(worker.WORLD),
+                           str(ROOT / "tests" / "transformers_tp_worker.py"), tiny, str(out),
+                           *OPTIMS], cwd=ROOT, env=env, timeout=300, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [torch.load(out / f"trainer_rank{r}.pt", weights_only=False)
+               for r in range(worker.WORLD)]
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return results
+
+
+@pytest.mark.parametrize("optim", OPTIMS)
+def test_trainer_by_name_matches_one_process(trainer_runs, tiny, tmp_path, optim):
+    per_rank = [r[optim] for r in trainer_runs]
+    expected = worker.trainer_one_process(tiny, optim, str(tmp_path))
+    for r in per_rank:
+        assert r["kind"] == "ShardedDistributor"
+        assert r["dtensors"] == 21
+        assert r["distributed_type"] == "DistributedType.MULTI_CPU"  # not wrapped in DDP
+    _assert_ranks_equal([r["params"] for r in per_rank])
+    _assert_params_close(per_rank[0]["params"], expected["params"])
+    # the Trainer logs the loss averaged over the data-parallel ranks: the full batch's
+    assert per_rank[0]["losses"].keys() == expected["losses"].keys()
+    for step, loss in expected["losses"].items():
+        assert per_rank[0]["losses"][step] == pytest.approx(loss, abs=1e-5)
+    assert sum(r["state_numel"] for r in per_rank) == expected["state_numel"]
