@@ -152,8 +152,9 @@ class SimulatedRank(SingleProcessDistributor):
         self.world_size, self.rank, self.assignment_cost = world, rank, assignment_cost
         self.segment_numel = 0
 
-    def assign(self, blocks, block_shapes):
-        costs = [block_cost(s, self.assignment_cost) for s in block_shapes]
+    def assign(self, blocks, block_shapes, costs=None):
+        if costs is None:
+            costs = [block_cost(s, self.assignment_cost) for s in block_shapes]
         return greedy_assignment(costs, self.world_size)
 
     def allocate_directions(self, stacks) -> None:

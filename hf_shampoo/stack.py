@@ -140,13 +140,10 @@ class BlockStack:
 
     def assignment_cost(self, group: Mapping, cost: str) -> float:
         """What one of these blocks costs its owner (``assignment_cost``): ``"memory"``,
-        the bytes of its state as its kind and stages keep it plus the step's gathered
-        gradient and direction; ``"compute"``, its kind's floating-point operations per
-        step (``Preconditioner.step_flops``)."""
+        the bytes of its state as its kind and stages keep it; ``"compute"``, its kind's
+        floating-point operations per step (``Preconditioner.step_flops``)."""
         if cost == "memory":
-            buffers = 2 * math.prod(self.shape) * torch.empty(0, dtype=self.work_dtype
-                                                               ).element_size()
-            return float(sum(self.state_bytes(group).values()) + buffers)
+            return float(sum(self.state_bytes(group).values()))
         return float(kind_of(group).step_flops(self.shape, group))
 
     def state_bytes(self, group: dict) -> dict[str, int]:

@@ -1,0 +1,122 @@
+"""How evenly block owners share the optimizer's state and work (docs/parallelism.md).
+
+For ResNet-50 and GPT-2 small at world 2/4/8, under the data-parallel assignment (DDP:
+greedy over all blocks) and the sharded one (FSDP2 rows, owners among the rows' holders),
+this prints the largest rank's share of the state bytes and of the step's floating-point
+operations against the mean (1.00 is perfect), with the blocks costed two ways:
+
+- ``shape``: the cost of a block from its shape alone (``Σ d² + numel`` elements, or
+  ``Σ d³ + numel`` for compute: as if it had Kronecker factors, whatever its kind), what
+  owners were chosen by before;
+- ``kind``: what the block's kind really holds and computes (``BlockStack.assignment_cost``:
+  its state bytes; for the work, the kind's ``step_flops``);
+- ``bound``: the best any assignment can do, ``max(1, largest block / mean)``: a block is
+  never split between ranks.
+
+Configurations: Shampoo with Adam grafting (max_preconditioner_dim 1024), and the ``muon``
+preset of ``make_optimizer`` (spectral descent on hidden matrices, Adam on the rest), where
+vectors and embeddings hold Adam's two moments and matrices one momentum.
+
+    python -m benchmarks.owner_balance --models resnet50 gpt2 --worlds 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import SimulatedRank, build_model, hardware  # noqa: E402
+from sharded_scaling import simulated_sharded  # noqa: E402
+
+from hf_shampoo import DistributedShampoo, make_optimizer  # noqa: E402
+from hf_shampoo.distributors import block_cost  # noqa: E402
+from hf_shampoo.preconditioners import kind_of  # noqa: E402
+
+CONFIGS = {
+    "shampoo": lambda model: DistributedShampoo(
+        model.parameters(), lr=1e-3, grafting="adam", max_preconditioner_dim=1024,
+        precondition_frequency=100, distributed="none"),
+    "muon": lambda model: make_optimizer(model, preset="muon", lr=1e-3, distributed="none"),
+}
+
+
+class ShapeCosted:
+    """A distributor that ignores the kinds' costs (the shape-only rule)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def assign(self, blocks, block_shapes, costs=None):
+        rule = self.inner.assignment_cost
+        return self.inner.assign(blocks, block_shapes,
+                                 [block_cost(s, rule) for s in block_shapes])
+
+
+def shares(model_name: str, config: str, world: int, scheme: str, rule: str,
+           cost: str) -> tuple[float, float, float, float]:
+    """(largest rank's state / mean, largest rank's flops / mean, and the bounds of
+    both: the largest block's / mean, at least 1)."""
+    model = build_model(model_name)
+    opt = CONFIGS[config](model)
+    for group in opt.param_groups:
+        group["assignment_cost"] = cost
+    opt.defaults["assignment_cost"] = cost
+    if scheme == "ddp":
+        distributor = SimulatedRank(world, 0, assignment_cost=cost)
+    else:
+        distributor = simulated_sharded(world)
+        distributor.assignment_cost = cost
+    opt._distributor = distributor if rule == "kind" else ShapeCosted(distributor)
+    layout = opt._ensure_layout()
+    state, work = [0.0] * world, [0.0] * world
+    largest = [0.0, 0.0]
+    for stack in layout.stacks:
+        settings = stack.settings(opt.param_groups)
+        n = len(stack.members)
+        one = (sum(stack.state_bytes(settings).values()),
+               kind_of(settings).step_flops(stack.shape, settings))
+        state[stack.rank] += n * one[0]
+        work[stack.rank] += n * one[1]
+        largest = [max(a, b) for a, b in zip(largest, one)]
+    state_mean, work_mean = sum(state) / world, sum(work) / world
+    return (max(state) / state_mean, max(work) / work_mean,
+            max(1.0, largest[0] / state_mean), max(1.0, largest[1] / work_mean))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet50", "gpt2"])
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    args = parser.parse_args()
+    print(f"# Owner balance ({hardware()})\n")
+    print("largest rank / mean; state with assignment_cost='memory', work (flops) with "
+          "'compute'; 'shape' = blocks costed by shape alone (before), 'kind' = by what "
+          "their kind holds and computes (now)\n")
+    for model_name in args.models:
+        for config in args.configs:
+            print(f"### {model_name}, {config}\n")
+            print("| world | scheme | state: shape | state: kind | state: bound | work: shape "
+                  "| work: kind | work: bound |")
+            print("|---|---|---|---|---|---|---|---|")
+            for world in args.worlds:
+                for scheme in ("ddp", "fsdp2"):
+                    cells = []
+                    for cost in ("memory", "compute"):
+                        for rule in ("shape", "kind"):
+                            s, w, s_bound, w_bound = shares(model_name, config, world, scheme,
+                                                            rule, cost)
+                            cells.append(s if cost == "memory" else w)
+                        cells.append(s_bound if cost == "memory" else w_bound)
+                    print(f"| {world} | {scheme} | " + " | ".join(f"{c:.2f}" for c in cells)
+                          + " |", flush=True)
+            print()
+
+
+if __name__ == "__main__":
+    main()

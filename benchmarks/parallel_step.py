@@ -1,0 +1,188 @@
+"""Per-rank optimizer step and bytes per step under FSDP2 x tensor parallel (docs/parallelism.md).
+
+On 4 gloo ranks (one thread each) with GPT-2 small's parameters placed as a Megatron-style
+plan and FSDP2 leave them on a ``(dp_shard 2, tp 2)`` mesh (``Conv1D`` weights are
+``(in, out)``: attention and MLP inputs colwise = ``Shard(1)``, their outputs rowwise =
+``Shard(0)``, the vocabulary ``Shard(0)``, norms and the other biases replicated; FSDP2's
+``Shard(0)`` or ``_StridedShard`` on top), three schemes take the same steady Shampoo step
+(Adam grafting, ``max_preconditioner_dim`` 1024, no refresh in the timed steps):
+
+- ``lossless (ours)``: ``DistributedShampoo`` on the DTensors: every block once in the
+  world, parts of gradients to owners and of directions back (``all_to_all``);
+- ``full_tensor on every rank``: what users write today: ``grad.full_tensor()`` of every
+  parameter, the whole single-process step repeated on every rank, the local shard
+  copied back;
+- ``DDP on 4 ranks``: plain replicated parameters, blocks spread over the ranks, one
+  all-gather of the directions.
+
+It prints the slowest rank's median step (seconds) and, per rank, the bytes sent plus
+received in a step: measured (``bytes_last_step``) and computed from the layout for ours,
+computed for the others (a ring all-gather sends and receives what a rank lacks). With 4
+processes on fewer cores the times are oversubscribed alike for the three schemes.
+
+    python -m benchmarks.parallel_step --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import build_model, hardware  # noqa: E402
+
+from hf_shampoo import DistributedShampoo  # noqa: E402
+
+WORLD = 4
+CONFIG = dict(lr=1e-3, betas=(0.9, 0.999), grafting="adam", max_preconditioner_dim=1024,
+              precondition_frequency=10**6, start_preconditioning_step=10**6)
+
+
+def tp_placements(name: str, shape: tuple[int, ...]):
+    """The tensor-parallel placement of a GPT-2 parameter and FSDP2's on top."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    col, row, rep = Shard(1), Shard(0), Replicate()
+    if name.endswith("wte.weight"):
+        tp = row  # vocabulary parallel
+    elif name.endswith(("c_attn.weight", "c_fc.weight")):
+        tp = col  # Conv1D (in, out): colwise is the output dim
+    elif name.endswith(("c_attn.bias", "c_fc.bias")):
+        tp = row
+    elif name.endswith("c_proj.weight"):
+        tp = row  # rowwise: the input dim
+    else:
+        tp = rep
+    fsdp = _StridedShard(0, split_factor=2) if tp == row else Shard(0)
+    return [fsdp, tp]
+
+
+def named_gpt2():
+    model = build_model("gpt2")
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+def gradients(params, step: int):
+    g = torch.Generator().manual_seed(step)
+    return [torch.randn(p.shape, generator=g) * 1e-2 for p in params]
+
+
+def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    named = named_gpt2()
+    full = [t for _, t in named]
+    times, measured, planned, computed = [], 0, 0, 0
+    if scheme == "ddp":
+        params = [torch.nn.Parameter(t.clone()) for t in full]
+        opt = DistributedShampoo(params, distributed="ddp", **CONFIG)
+        place_grads = lambda grads: [setattr(p, "grad", g) for p, g in zip(params, grads)]
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        placements = [tp_placements(n, tuple(t.shape)) for n, t in named]
+        params = [torch.nn.Parameter(distribute_tensor(t, mesh, pl, src_data_rank=None))
+                  for t, pl in zip(full, placements)]
+
+        def place_grads(grads):
+            for p, g, pl in zip(params, grads, placements):
+                p.grad = distribute_tensor(g, mesh, pl, src_data_rank=None)
+
+        if scheme == "lossless":
+            opt = DistributedShampoo(params, **CONFIG)
+        else:  # full_tensor on every rank: one process's optimizer on full copies
+            copies = [torch.nn.Parameter(t.clone()) for t in full]
+            inner = DistributedShampoo(copies, distributed="none", **CONFIG)
+
+            class FullTensorStep:
+                param_groups = inner.param_groups
+
+                def step(self):
+                    for p, c in zip(params, copies):
+                        c.grad = p.grad.full_tensor()
+                    inner.step()
+                    for p, c in zip(params, copies):
+                        p.to_local().copy_(_local_part(c.detach(), p))
+
+            opt = FullTensorStep()
+            for p in params:
+                computed += 2 * (p.numel() - p.to_local().numel()) * 4
+    place_grads(gradients(full, 0))
+    opt.step()  # state allocated (a grafting-only step)
+    for group in opt.param_groups:  # preconditioned steps without a refresh
+        group["step"] = group["start_preconditioning_step"]
+    for step in range(1, steps + 1):
+        place_grads(gradients(full, step))
+        dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    if scheme == "lossless":
+        measured = opt._distributor.bytes_last_step
+        planned = opt._distributor.planned_bytes()
+        computed = planned
+    elif scheme == "ddp":
+        segment = max(sum(len(s.members) * s.directions[0].numel() for s in opt._layout.stacks
+                          if s.rank == r) for r in range(WORLD))
+        computed = 2 * (WORLD - 1) * segment * 4
+    state = sum(t.numel() * t.element_size() for entry in (
+        opt.local_state_dict() if scheme != "full_tensor" else inner.state_dict()
+    )["state"].values() for t in entry.values())
+    torch.save({"median": statistics.median(times), "measured": measured,
+                "computed": computed, "state": state}, os.path.join(out, f"{scheme}{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _local_part(whole: torch.Tensor, param) -> torch.Tensor:
+    from hf_shampoo.distributors.placements import mesh_boxes
+
+    box = mesh_boxes(param)[dist.get_rank()]
+    return whole[tuple(slice(a, b) for a, b in box)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schemes", nargs="+", default=["lossless", "full_tensor", "ddp"])
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="hf_shampoo_parallel_step_")
+    rows = []
+    for scheme in args.schemes:
+        mp.spawn(run_rank, args=(scheme, os.path.join(root, f"init_{scheme}"), root,
+                                 args.steps), nprocs=WORLD, join=True)
+        got = [torch.load(os.path.join(root, f"{scheme}{r}.pt")) for r in range(WORLD)]
+        rows.append((scheme, got))
+    torch.set_num_threads(1)
+    print(f"# Optimizer step on 4 gloo ranks, GPT-2 small, dp_shard 2 x tp 2 ({hardware()}, "
+          f"one thread per rank)\n")
+    names = {"lossless": "lossless (ours), dp_shard 2 x tp 2",
+             "full_tensor": "full_tensor on every rank, dp_shard 2 x tp 2",
+             "ddp": "DDP on 4 ranks (plain parameters)"}
+    print("| scheme | step s (slowest rank, median) | MiB/step per rank, measured (max) | "
+          "MiB/step per rank, computed (max) | state MiB/rank (max) |")
+    print("|---|---|---|---|---|")
+    mib = 2.0**20
+    for scheme, got in rows:
+        measured = max(g["measured"] for g in got)
+        print(f"| {names[scheme]} | {max(g['median'] for g in got):.3f} | "
+              f"{measured / mib:.1f} | " if measured else f"| {names[scheme]} | "
+              f"{max(g['median'] for g in got):.3f} | n/a | ", end="")
+        print(f"{max(g['computed'] for g in got) / mib:.1f} | "
+              f"{max(g['state'] for g in got) / mib:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
