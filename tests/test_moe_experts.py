@@ -222,3 +222,82 @@ def test_experts_needs_matrices_for_muon_and_a_dim_0():
 def test_optim_args_reach_experts():
     parsed = parse_optim_args("*experts*@experts=false")
     assert parsed.overrides == {"*experts*": {"experts": False}}
+
+
+# ---------------------------------------------------------------------- two ranks (gloo)
+DIST_SHAPES = [(4, 6, 5), (4, 6, 5), (5, 4)]
+DIST_CONFIGS = {
+    # max_preconditioner_dim 4 cuts each expert's (6, 5) into 4 blocks, restarting at rows 6
+    "shampoo": [{"experts": True, "grafting": "adam", "max_preconditioner_dim": 4,
+                 "precondition_frequency": 2}, {}],
+    "muon": [{"experts": True, "preconditioner": "spectral_descent", "beta3": 0.81},
+             {"preconditioner": "diagonal", "grafting": "adam"}],
+}
+
+
+def _dist_train(params, config: str, **kwargs) -> tuple[list[torch.Tensor], str]:
+    experts, plain = DIST_CONFIGS[config]
+    optimizer = DistributedShampoo([{"params": params[:2], **experts},
+                                    {"params": params[2:], **plain}], lr=1e-2, **kwargs)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(shape, generator=gen) for shape in DIST_SHAPES]
+        for p, grad in zip(params, grads):
+            if hasattr(p, "device_mesh"):  # a DTensor: the gradient placed as its parameter
+                from torch.distributed.tensor import distribute_tensor
+                grad = distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
+            p.grad = grad
+        optimizer.step()
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for p in params], type(optimizer._distributor).__name__
+
+
+def _full_params() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(shape, generator=gen) for shape in DIST_SHAPES]
+
+
+def _dist_worker(rank: int, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=2)
+    try:
+        results = {}
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+        for config in DIST_CONFIGS:
+            ddp = [nn.Parameter(t) for t in _full_params()]
+            results[f"ddp_{config}"] = _dist_train(ddp, config, distributed="ddp")
+            # expert parallel: 2 experts per rank; tensor parallel: each expert's rows cut
+            placements = [[Shard(0)], [Shard(1)], [Replicate()]]
+            sharded = [nn.Parameter(distribute_tensor(t, mesh, placement, src_data_rank=None))
+                       for t, placement in zip(_full_params(), placements)]
+            results[f"ep_{config}"] = _dist_train(sharded, config)
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_ddp_and_expert_parallel_bit_identical(tmp_path):
+    """DDP, and experts sharded over ranks (``Shard(0)``, expert parallelism) or each
+    expert's rows sharded (``Shard(1)``), move every expert bit for bit as one process."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers import one_thread_per_process
+
+    out_file = str(tmp_path / "out.pt")
+    with one_thread_per_process():
+        mp.spawn(_dist_worker, args=(str(tmp_path / "init"), out_file), nprocs=2, join=True)
+    results = torch.load(out_file, weights_only=True)
+    for config in DIST_CONFIGS:
+        expected, _ = _dist_train([nn.Parameter(t) for t in _full_params()], config,
+                                  distributed="none")
+        for mode, kind in (("ddp", "DataParallelDistributor"), ("ep", "ShardedDistributor")):
+            got, used = results[f"{mode}_{config}"]
+            assert used == kind
+            for i, (a, b) in enumerate(zip(got, expected)):
+                assert torch.equal(a, b), (mode, config, i)
