@@ -301,3 +301,22 @@ def test_two_ranks_ddp_and_expert_parallel_bit_identical(tmp_path):
             assert used == kind
             for i, (a, b) in enumerate(zip(got, expected)):
                 assert torch.equal(a, b), (mode, config, i)
+
+
+def test_gpt_oss_transposed_experts_and_expert_biases():
+    """gpt-oss stores its experts transposed, with biases ``(E, out)``: every one of them
+    is per expert, the biases as vectors (the grafting method alone)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS,
+        num_experts_per_tok=2, layer_types=["full_attention"]))
+    rows = {r["name"].rpartition(".")[2]: r for r in describe_rows(make_optimizer(model))
+            if ".experts." in r["name"] or ".router." in r["name"]}
+    assert {n for n, r in rows.items() if r["experts"] == EXPERTS} == {
+        "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
+    assert rows["gate_up_proj_bias"]["preconditioner"] == "diagonal"
+    assert rows["gate_up_proj"]["block_shapes"] == [(32, 48)] * EXPERTS
+    assert rows["weight"]["experts"] == 0  # the router's (E, hidden) is one matrix
