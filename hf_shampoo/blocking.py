@@ -3,7 +3,9 @@
 A parameter is reshaped to its *merged shape* (size-1 dims dropped, adjacent small dims
 merged from the last dim to the first) and then split into blocks of at most
 ``max_preconditioner_dim`` along every dim. Blocks are identified by ``(param, index)``
-with indices in row-major order; that identity does not depend on the world size.
+with indices in row-major order; that identity does not depend on the world size. A
+parameter of fused experts ``(E, *rest)`` (``experts=True``) is blocked as ``E`` independent
+copies of the blocking of ``rest``, laid out in one merged view ``(E * m0, *m_rest)``.
 """
 
 from __future__ import annotations
@@ -45,10 +47,29 @@ def _chunks(size: int, max_dim: int) -> list[tuple[int, int]]:
 
 
 def block_slices(
-    shape: Sequence[int], max_preconditioner_dim: int, matrix: bool = False
+    shape: Sequence[int], max_preconditioner_dim: int, matrix: bool = False,
+    experts: bool = False,
 ) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
     """The merged shape (``matrix``: ``matrix_shape``) and, in row-major order, the slices
-    of each block within it."""
+    of each block within it.
+
+    ``experts``: dim 0 indexes independent matrices (a mixture of experts' fused weight
+    ``(E, *rest)``). Each is blocked as ``rest`` alone; the merged shape is
+    ``(E * m0, *m_rest)`` for ``rest``'s merged shape ``m``, whose dim-0 block boundaries
+    restart at every expert, so no block spans two experts and every block is still a box
+    of one merged view. Blocks are numbered expert by expert.
+    """
+    if experts:
+        if len(shape) < 1:
+            raise ValueError("experts=True needs a dim 0 of experts, got a 0-d shape")
+        count = int(shape[0])
+        unit, unit_slices = block_slices(shape[1:], max_preconditioner_dim, matrix)
+        rows = unit[0]
+        slices = [
+            (slice(e * rows + block[0].start, e * rows + block[0].stop), *block[1:])
+            for e in range(count) for block in unit_slices
+        ]
+        return (count * rows, *unit[1:]), slices
     merged = matrix_shape(shape) if matrix else merged_shape(shape, max_preconditioner_dim)
     per_dim = [_chunks(d, max_preconditioner_dim) for d in merged]
     slices = [
@@ -73,8 +94,8 @@ class ParamBlocking:
 
     @classmethod
     def of(cls, shape: Sequence[int], max_preconditioner_dim: int,
-           matrix: bool = False) -> ParamBlocking:
-        merged, slices = block_slices(shape, max_preconditioner_dim, matrix)
+           matrix: bool = False, experts: bool = False) -> ParamBlocking:
+        merged, slices = block_slices(shape, max_preconditioner_dim, matrix, experts)
         return cls(tuple(int(d) for d in shape), merged, tuple(slices))
 
     @property
@@ -100,6 +121,12 @@ class ParamBlocking:
         except RuntimeError:
             return False
         return True
+
+
+def expert_shape(shape: Sequence[int], experts: bool) -> tuple[int, ...]:
+    """The shape of one expert of a fused-experts parameter (``experts``: ``shape[1:]``),
+    else the shape itself: what the per-matrix rules (vector-like, elongated) look at."""
+    return tuple(int(d) for d in (shape[1:] if experts else shape))
 
 
 def is_vector_like(shape: Sequence[int]) -> bool:

@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "compile": False,
     "vector_preconditioner": None,
     "diagonal_aspect": None,
+    "experts": False,
     "rank_deficient": "perturbation",
     "rank_atol": 0.0,
     "rank_rtol": 0.0,
@@ -166,6 +167,7 @@ LAYOUT_KEYS = (
     "quantization",
     "vector_preconditioner",
     "diagonal_aspect",
+    "experts",
     "iterate_averaging",
 )
 
@@ -399,6 +401,10 @@ def validate_group(group: dict[str, Any]) -> None:
     n = group["num_trainers_per_group"]
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not (n == -1 or n >= 1):
         _fail("num_trainers_per_group", n, "expected -1 (the whole world) or an integer >= 1")
+    if not isinstance(group["experts"], bool):
+        _fail("experts", group["experts"], "expected True (dim 0 of every parameter of the "
+              "group indexes independent experts, each blocked, preconditioned and "
+              "orthogonalized on its own) or False")
     aspect = group["diagonal_aspect"]
     if aspect is not None:
         _check_real("diagonal_aspect", aspect, 1.0, math.inf)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import averaging, pipeline
-from .blocking import ParamBlocking, is_vector_like
+from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import layout as checkpoint
 from .checkpoint.consolidate import gather_state
 from .config import (
@@ -90,6 +90,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         compile: bool | dict = DEFAULTS["compile"],
         vector_preconditioner: str | None = DEFAULTS["vector_preconditioner"],
         diagonal_aspect: float | None = DEFAULTS["diagonal_aspect"],
+        experts: bool = DEFAULTS["experts"],
         rank_deficient: str = DEFAULTS["rank_deficient"],
         rank_atol: float = DEFAULTS["rank_atol"],
         rank_rtol: float | None = DEFAULTS["rank_rtol"],
@@ -165,15 +166,22 @@ class DistributedShampoo(torch.optim.Optimizer):
                     f"DistributedShampoo: parameter {index} has dtype {tensor.dtype}; "
                     "only floating-point parameters can be optimized"
                 )
-            if kind_of(merged).matrix_blocks and tensor.dim() < 2 and not (
-                    merged["vector_preconditioner"] and is_vector_like(tensor.shape)):
-                names = group.get("param_names")
-                name = params[index][0] if isinstance(params[index], tuple) else \
-                    names[index] if names else f"parameter {index} of the group"
+            names = group.get("param_names")
+            name = params[index][0] if isinstance(params[index], tuple) else \
+                names[index] if names else f"parameter {index} of the group"
+            if merged["experts"] and tensor.dim() == 0:
+                raise ValueError(
+                    f"DistributedShampoo: invalid experts=True for {name!r}, a 0-d tensor; "
+                    "expected a parameter whose dim 0 indexes experts, e.g. (E, out, in)"
+                )
+            unit = expert_shape(tensor.shape, merged["experts"])
+            if kind_of(merged).matrix_blocks and len(unit) < 2 and not (
+                    merged["vector_preconditioner"] and is_vector_like(unit)):
+                each = " per expert (experts=True)" if merged["experts"] else ""
                 raise ValueError(
                     f"DistributedShampoo: preconditioner={merged['preconditioner']!r} "
                     f"orthogonalizes matrices, but {name!r} has shape {tuple(tensor.shape)} "
-                    "(fewer than 2 dims); give vectors and scalars another kind, e.g. "
+                    f"(fewer than 2 dims{each}); give vectors and scalars another kind, e.g. "
                     "'diagonal' with grafting='adam', or build the optimizer with "
                     "hf_shampoo.make_optimizer(model, preset='muon'), which does that"
                 )
@@ -235,9 +243,11 @@ class DistributedShampoo(torch.optim.Optimizer):
             group = self._param_settings(self.param_groups[gi], param)
             name = self.param_name(index)
             shape = self._distributor.blocking_shape(param)
+            experts = group["experts"]  # dim 0: independent matrices, blocked one by one
             blocking = ParamBlocking.of(shape, group["max_preconditioner_dim"],
                                         kind_of(group).matrix_blocks
-                                        or is_elongated(shape, group))
+                                        or is_elongated(expert_shape(shape, experts), group),
+                                        experts)
             blockings[index] = blocking
             single = len(blocking.slices) == 1
             blocks += [
@@ -250,7 +260,8 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _param_settings(group: dict, param: Tensor) -> Mapping:
         """A parameter's hyperparameters: its group's, with ``vector_preconditioner``'s
         settings on top for a vector-like parameter."""
-        overrides = vector_settings(group) if is_vector_like(param.shape) else {}
+        vector = is_vector_like(expert_shape(param.shape, group["experts"]))
+        overrides = vector_settings(group) if vector else {}
         return ChainMap(overrides, group) if overrides else group
 
     def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
@@ -260,7 +271,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             group = self.param_groups[block.group_index]
             wide = torch.float64 in (block.param.dtype, group["factor_matrix_dtype"])
             work_dtype = torch.float64 if wide else torch.float32
-            overrides = vector_settings(group) if is_vector_like(block.param.shape) else {}
+            vector = is_vector_like(expert_shape(block.param.shape, group["experts"]))
+            overrides = vector_settings(group) if vector else {}
             kinds.append((block.group_index, shape, block.param.device, work_dtype,
                           tuple(sorted(overrides.items()))))
         # what each block costs its owner, as its kind holds and computes it

@@ -237,12 +237,15 @@ def _check_blocks_exist(saved_state, id_to_index, param_groups, prefix="", block
     params: list = [p for group in param_groups for p in group["params"]]
     dims: list[int] = [group["max_preconditioner_dim"] for group in param_groups
                        for _ in group["params"]]
+    experts: list[bool] = [group.get("experts", False) for group in param_groups
+                           for _ in group["params"]]
     for saved_id, entry in saved_state.items():
         index = id_to_index[saved_id]
         if blockings is not None and index in blockings:
             count = len(blockings[index].slices)
         else:
-            count = len(ParamBlocking.of(params[index].shape, dims[index]).slices)
+            count = len(ParamBlocking.of(params[index].shape, dims[index],
+                                         experts=experts[index]).slices)
         for key in entry:
             match = _KEY.match(str(key))
             if (match.group(1) or "") != prefix:

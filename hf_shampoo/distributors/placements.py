@@ -20,7 +20,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 

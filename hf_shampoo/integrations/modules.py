@@ -8,7 +8,11 @@ their first name) a role from the module that owns it, and each role a configura
   ``{2: {d: 0}}``; a table small enough to be merged into one dim gets the diagonal method);
 - biases, norm weights and other vectors use the grafting method alone
   (``preconditioner="diagonal"``);
-- convolution kernels and matrices get full Shampoo; kernels are merged by docs/design.md §1.
+- convolution kernels and matrices get full Shampoo; kernels are merged by docs/design.md §1;
+- a mixture of experts' fused weights (transformers' experts modules: ``gate_up_proj`` /
+  ``down_proj`` of shape ``(num_experts, out, in)``) are ``E`` matrices, not one tensor:
+  their group has ``experts=True``, so each expert gets its own blocks, factors and
+  orthogonalization, and the rules above see one expert's shape.
 
 Presets bundle these rules (``"transformer"``, ``"cnn"``, ``"muon"``, ``"none"``); the
 ``"muon"`` preset gives hidden matrices and conv kernels spectral descent on whole matrices
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..blocking import merged_shape
+from ..blocking import expert_shape, merged_shape
 from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, validate_group
 from ..optimizer import DistributedShampoo
 
@@ -63,6 +67,12 @@ class ParamInfo:
     param: Tensor
     role: str
     vocab_dims: tuple[int, ...] = ()  # dims of vocabulary size (embedding / vocab roles)
+    experts: bool = False  # dim 0 indexes the experts of a fused experts module
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """The shape the role rules see: one expert's for fused experts, else the whole."""
+        return expert_shape(self.param.shape, self.experts)
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,30 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, NORM_TYPES) or "norm" in type(module).__name__.lower()
 
 
+def is_experts_module(module: nn.Module) -> bool:
+    """A module holding a mixture of experts' weights fused along dim 0: what transformers'
+    ``@use_experts_implementation`` marks (``MixtralExperts``, ``Qwen3MoeExperts``,
+    ``GptOssExperts``, ...: it sets ``is_transposed`` / ``is_concatenated`` / ``has_gate`` on
+    the instance), or a class named ``...Experts`` (``Llama4TextExperts``,
+    ``JetMoeParallelExperts``). Decided by module, not by ``ndim``: a conv1d kernel is 3-D
+    as well."""
+    marked = all(hasattr(module, key) for key in ("is_transposed", "is_concatenated",
+                                                   "has_gate"))
+    return marked or type(module).__name__.endswith("Experts")
+
+
+def _is_fused_experts(param: Tensor, modules: list[nn.Module]) -> bool:
+    """A parameter of an experts module whose dim 0 is the experts (``num_experts`` when
+    the module says it): its weights ``(E, out, in)`` and biases ``(E, out)``."""
+    for module in modules:
+        if not is_experts_module(module) or param.ndim < 2:
+            continue
+        count = getattr(module, "num_experts", None)
+        if not isinstance(count, int) or param.shape[0] == count:
+            return True
+    return False
+
+
 def guess_vocab_size(model: nn.Module) -> int | None:
     """``model.config.vocab_size`` when there is one, else the largest embedding table."""
     config = getattr(model, "config", None)
@@ -141,24 +175,25 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
 
 def _role(
     leaf: str,
-    param: Tensor,
+    shape: tuple[int, ...],
     modules: list[nn.Module],
     vocab_size: int | None,
     vocab_modules: set[int] | None,
 ):
+    """The role of a parameter of this shape (one expert's, for fused experts)."""
     if leaf == "bias":
         return "bias", ()
     if any(_is_norm(m) for m in modules):
         return "norm", ()
-    if any(isinstance(m, EMBEDDING_TYPES) for m in modules) and param.ndim == 2:
+    if any(isinstance(m, EMBEDDING_TYPES) for m in modules) and len(shape) == 2:
         return "embedding", (0,)
-    if sum(d > 1 for d in param.shape) <= 1:
+    if sum(d > 1 for d in shape) <= 1:
         return "vector", ()
     # A transformers model names its vocabulary projection; elsewhere, match the size.
     owned = vocab_modules is None or any(id(m) in vocab_modules for m in modules)
-    if vocab_size is not None and param.ndim == 2 and vocab_size in param.shape and owned:
-        return "vocab", tuple(j for j, d in enumerate(param.shape) if d == vocab_size)
-    return ("conv", ()) if param.ndim >= 3 else ("matrix", ())
+    if vocab_size is not None and len(shape) == 2 and vocab_size in shape and owned:
+        return "vocab", tuple(j for j, d in enumerate(shape) if d == vocab_size)
+    return ("conv", ()) if len(shape) >= 3 else ("matrix", ())
 
 
 def walk(model: nn.Module, vocab_size: int | None = None) -> list[ParamInfo]:
@@ -184,8 +219,10 @@ def walk(model: nn.Module, vocab_size: int | None = None) -> list[ParamInfo]:
         entries = owners.get(id(param), [(name, name.rpartition(".")[0], model)])
         aliases = tuple(dict.fromkeys([name] + [full for full, _, _ in entries]))
         modules = [m for _, _, m in entries]
+        experts = _is_fused_experts(param, modules)
         role, vocab_dims = _role(
-            name.rpartition(".")[2], param, modules, vocab_size, vocab_modules
+            name.rpartition(".")[2], expert_shape(param.shape, experts), modules,
+            vocab_size, vocab_modules,
         )
         infos.append(
             ParamInfo(
@@ -196,6 +233,7 @@ def walk(model: nn.Module, vocab_size: int | None = None) -> list[ParamInfo]:
                 param=param,
                 role=role,
                 vocab_dims=vocab_dims,
+                experts=experts,
             )
         )
     return infos
@@ -244,7 +282,7 @@ def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]
         if len(merged) != info.param.ndim:  # small table merged into one dim: no vocab factor
             return _diagonal(effective)
         return {"inverse_exponent_override": {2: {d: 0 for d in info.vocab_dims}}}
-    shape = info.param.shape
+    shape = info.unit_shape
     if (info.role == "matrix" and len(shape) == 2 and min(shape) > 0
             and effective["preconditioner"] == "shampoo" and effective["quantization"] is None
             and effective.get("diagonal_aspect") is None):
@@ -323,6 +361,8 @@ def param_groups(
                 used[k] = True
         exempt = info.name not in decay_names if decay_names is not None else rules.no_decay(info)
         keywords = {"weight_decay": 0.0 if exempt else weight_decay}
+        if info.experts:  # one expert's blocks, factors and orthogonalization each
+            keywords["experts"] = True
         keywords.update(_role_keywords(info, rules, {**base, **user}))
         keywords.update(user)
         key = _group_key(keywords)
@@ -387,7 +427,8 @@ def _blocks_label(shapes: list[tuple[int, ...]]) -> str:
 
 def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
     """One row per parameter: name, shape, blocks, preconditioner, grafting, weight decay,
-    owning rank(s). Built from ``optimizer.describe_blocks()`` and ``param_groups``; a
+    owning rank(s), and ``experts`` (the number of experts of a parameter blocked per expert,
+    ``experts=True``; else 0). Built from ``optimizer.describe_blocks()`` and ``param_groups``; a
     frozen parameter (``requires_grad=False``, no gradient) has no blocks and no state
     (``"frozen": True``)."""
     from .accelerate import find_shampoo
@@ -427,7 +468,13 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
     for index in sorted(rows):
         row = rows[index]
         frozen = row.setdefault("frozen", False)
+        group, param = owner[index]
+        row["experts"] = int(param.shape[0]) if group.get("experts") and param.ndim else 0
         row["blocks"] = "frozen: no state" if frozen else _blocks_label(row["block_shapes"])
+        if row["experts"] and not frozen:  # blocked per expert: say so, with one expert's
+            shapes = row["block_shapes"]
+            unit = _blocks_label(shapes[:max(len(shapes) // row["experts"], 1)])
+            row["blocks"] = f"{row['experts']} experts, each {unit}"
         row["rank"] = "-" if frozen else ",".join(str(r) for r in sorted(row.pop("ranks")))
         row.pop("ranks", None)
         out.append(row)
