@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_session.sh step       # step_time.py --device cuda: ResNet-50, GPT-2 small/medium
 #   bash benchmarks/gpu_session.sh e2e        # end_to_end.py: ResNet-50 bf16 and GPT-2 via the Trainer
 #                                             # (or e2e-resnet50 / e2e-gpt2: one each, ~5 min)
+#   bash benchmarks/gpu_session.sh tp         # Accelerate's ParallelismConfig (TP x FSDP2) with
+#                                             # hf_shampoo, stage by stage, on every GPU (~1 min)
 #   bash benchmarks/gpu_session.sh all        # the four in order
 #
 # Planned as three device calls of at most 10 minutes (30 minutes of device time in all,
@@ -99,6 +101,20 @@ e2e() {  # e2e WORKLOAD SECONDS: AdamW (fused) against Shampoo F=100 staggered, 
         --json "$OUT/e2e_$1.json" --write "$OUT/e2e_$1.md"
 }
 
+tp() {  # Accelerate's ND-parallel path on all GPUs (tensor parallel 2 where there are 2)
+    local gpus=1
+    if [ "$DEVICE" = cuda ]; then
+        gpus=$($PY -c 'import torch; print(max(torch.cuda.device_count(), 1))')
+    else
+        gpus=2
+    fi
+    local opt
+    for opt in shampoo muon; do
+        part tp 120 $PY -m torch.distributed.run --standalone --nproc_per_node "$gpus" \
+            benchmarks/accelerate_tp.py --tp-size 2 --device "$DEVICE" --optimizer "$opt"
+    done
+}
+
 case "${1:-all}" in
     check) check ;;
     tests) tests ;;
@@ -106,6 +122,7 @@ case "${1:-all}" in
     e2e) e2e resnet50 300; e2e gpt2 240 ;;
     e2e-resnet50) e2e resnet50 540 ;;
     e2e-gpt2) e2e gpt2 540 ;;
+    tp) tp ;;
     all) check; tests; step; e2e resnet50 300; e2e gpt2 240 ;;
-    *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|all" >&2; exit 2 ;;
+    *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|tp|all" >&2; exit 2 ;;
 esac

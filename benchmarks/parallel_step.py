@@ -66,8 +66,11 @@ def tp_placements(name: str, shape: tuple[int, ...]):
     return [fsdp, tp]
 
 
-def named_gpt2():
-    model = build_model("gpt2")
+def named_gpt2(layers: int = 12):
+    """GPT-2 small's parameters (its shapes; ``layers`` of its 12 blocks)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = build_model("gpt2") if layers == 12 else GPT2LMHeadModel(GPT2Config(n_layer=layers))
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
@@ -76,14 +79,15 @@ def gradients(params, step: int):
     return [torch.randn(p.shape, generator=g) * 1e-2 for p in params]
 
 
-def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int) -> None:
+def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int,
+             layers: int = 12) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    named = named_gpt2()
+    named = named_gpt2(layers)
     full = [t for _, t in named]
     times, measured, planned, computed = [], 0, 0, 0
     if scheme == "ddp":
@@ -103,7 +107,7 @@ def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int) -> No
         if scheme == "lossless":
             opt = DistributedShampoo(params, **CONFIG)
         else:  # full_tensor on every rank: one process's optimizer on full copies
-            copies = [torch.nn.Parameter(t.clone()) for t in full]
+            copies = [torch.nn.Parameter(t) for t in full]  # the full tensors themselves
             inner = DistributedShampoo(copies, distributed="none", **CONFIG)
 
             class FullTensorStep:
@@ -157,17 +161,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schemes", nargs="+", default=["lossless", "full_tensor", "ddp"])
+    parser.add_argument("--layers", type=int, default=12,
+                        help="GPT-2 small's blocks to keep (12: all; the full_tensor scheme "
+                             "holds one process's whole state on every rank)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="hf_shampoo_parallel_step_")
     rows = []
     for scheme in args.schemes:
         mp.spawn(run_rank, args=(scheme, os.path.join(root, f"init_{scheme}"), root,
-                                 args.steps), nprocs=WORLD, join=True)
+                                 args.steps, args.layers), nprocs=WORLD, join=True)
         got = [torch.load(os.path.join(root, f"{scheme}{r}.pt")) for r in range(WORLD)]
         rows.append((scheme, got))
     torch.set_num_threads(1)
-    print(f"# Optimizer step on 4 gloo ranks, GPT-2 small, dp_shard 2 x tp 2 ({hardware()}, "
-          f"one thread per rank)\n")
+    print(f"# Optimizer step on 4 gloo ranks, GPT-2 small's shapes ({args.layers} of 12 "
+          f"blocks), dp_shard 2 x tp 2 ({hardware()}, one thread per rank)\n")
     names = {"lossless": "lossless (ours), dp_shard 2 x tp 2",
              "full_tensor": "full_tensor on every rank, dp_shard 2 x tp 2",
              "ddp": "DDP on 4 ranks (plain parameters)"}
