@@ -17,7 +17,7 @@ Configurations: Shampoo with Adam grafting (max_preconditioner_dim 1024), and th
 preset of ``make_optimizer`` (spectral descent on hidden matrices, Adam on the rest), where
 vectors and embeddings hold Adam's two moments and matrices one momentum.
 
-    python -m benchmarks.owner_balance --models resnet50 gpt2 --worlds 2 4 8
+    python benchmarks/owner_balance.py --models resnet50 gpt2 --worlds 2 4 8
 """
 
 from __future__ import annotations

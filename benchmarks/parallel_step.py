@@ -20,7 +20,7 @@ received in a step: measured (``bytes_last_step``) and computed from the layout 
 computed for the others (a ring all-gather sends and receives what a rank lacks). With 4
 processes on fewer cores the times are oversubscribed alike for the three schemes.
 
-    python -m benchmarks.parallel_step --steps 3
+    python benchmarks/parallel_step.py --steps 3 --layers 4
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int,
             class FullTensorStep:
                 param_groups = inner.param_groups
 
+                @torch.no_grad()
                 def step(self):
                     for p, c in zip(params, copies):
                         c.grad = p.grad.full_tensor()

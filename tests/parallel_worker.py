@@ -70,6 +70,14 @@ LAYOUTS = {
         (None, [Replicate(), COL, Replicate()]), (None, [Replicate(), COL, ROW]),
         (None, [Replicate(), COL, COL]), None, (None, [Replicate(), COL, Replicate()]),
         (None, [Replicate(), COL, Shard(1)])]),
+    # HSDP x TP on 8 ranks: 2 replicas of a 2 x 2 FSDP2 x TP mesh
+    "hsdp_tp8": (8, (2, 2, 2), ("dp_replicate", "dp_shard", "tp"), None, [
+        (None, [Replicate(), COL, ROW]),
+        (None, [Replicate(), _StridedShard(0, split_factor=2), COL]),
+        (("dp_replicate", "dp_shard"), [Replicate(), COL]),
+        (None, [Replicate(), COL, ROW]),
+        (None, [Replicate(), _StridedShard(0, split_factor=2), COL]), None,
+        (("tp",), [ROW]), (None, [Replicate(), COL, Shard(1)])]),
     # Accelerate's FSDP with context parallel: dp_shard and cp folded into dp_shard_cp; the
     # experts' weight expert-parallel over an ep dim of the same ranks
     "cp_tp": (4, (1, 2, 2), ("dp_shard", "cp", "tp"), ("dp_shard", "cp"), [
