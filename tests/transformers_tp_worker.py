@@ -259,12 +259,23 @@ def accelerate_tp(state_dict_type: str):
     tp_size=2), fsdp_plugin=<FSDP2, state_dict_type>)`` made to checkpoint as FSDP2 does.
 
     Two test-only steps, both for the CPU: ``allow_parallelism_config_on_cpu`` (above), and
-    ``as_fsdp()``, which sets the state's type to FSDP with the plugin before
-    ``save_state`` / ``load_state``: on a CPU Accelerate makes every multi-process state
-    ``MULTI_CPU`` and drops the plugin (it sets FSDP for GPU-type backends only,
-    accelerate/state.py:986-1016, and each new ``Accelerator`` resets the type). ``prepare``
-    runs as the constructor left it (``MULTI_CPU`` with tensor parallelism: the model is kept
-    as loaded, the optimizer wrapped); as FSDP it would fail, see ``prepare_as_fsdp``."""
+    ``as_fsdp()``, which sets the state's type to FSDP with the plugin just before
+    ``save_state`` / ``load_state``, so that they take Accelerate's FSDP2 checkpoint code
+    (``save_fsdp_model`` / ``save_fsdp_optimizer``: ``get_model_state_dict`` /
+    ``get_optimizer_state_dict`` and DCP or rank 0's ``torch.save``). On a CPU Accelerate
+    makes a multi-process state ``MULTI_CPU`` and drops the plugin (FSDP is set for GPU-type
+    backends only, accelerate/state.py:986-1016), and every later ``AcceleratorState()``
+    (``from_pretrained``, the ``AcceleratedOptimizer`` that ``prepare`` builds) resets the
+    type to ``MULTI_CPU`` again. ``prepare`` therefore runs as ``MULTI_CPU`` with tensor
+    parallelism, as under the Trainer: the model is kept as loaded (already TP x FSDP2
+    sharded), the optimizer wrapped in ``AcceleratedOptimizer``.
+
+    Without ``as_fsdp()`` (``MULTI_CPU``) ``save_state`` cannot save this model:
+    ``RuntimeError: Attempted to access the data pointer on an invalid python storage.``
+    (accelerate/utils/modeling.py:216, ``id_tensor_storage`` of a DTensor, from
+    ``clean_state_dict_for_safetensors``), and with ``safe_serialization=False`` rank 0's
+    ``torch.save`` writes its own DTensor shards only, which ``load_state`` loads on every
+    rank without an error: wrong parameters (0.12 off after 2 steps)."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DistributedType
