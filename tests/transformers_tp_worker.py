@@ -249,8 +249,134 @@ def trainer_main(path: str, out_dir: str, optims: list[str]) -> None:
         dist.destroy_process_group()
 
 
+
+# ---------------------------------------------------------------------------- Accelerate resume
+ACC_STEPS, ACC_SAVE_AT = 4, 2
+
+
+def accelerate_tp(state_dict_type: str):
+    """``Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2,
+    tp_size=2), fsdp_plugin=<FSDP2, state_dict_type>)`` made to checkpoint as FSDP2 does.
+
+    Two test-only steps, both for the CPU: ``allow_parallelism_config_on_cpu`` (above), and
+    ``as_fsdp()``, which sets the state's type to FSDP with the plugin just before
+    ``save_state`` / ``load_state``, so that they take Accelerate's FSDP2 checkpoint code
+    (``save_fsdp_model`` / ``save_fsdp_optimizer``: ``get_model_state_dict`` /
+    ``get_optimizer_state_dict`` and DCP or rank 0's ``torch.save``). On a CPU Accelerate
+    makes a multi-process state ``MULTI_CPU`` and drops the plugin (FSDP is set for GPU-type
+    backends only, accelerate/state.py:986-1016), and every later ``AcceleratorState()``
+    (``from_pretrained``, the ``AcceleratedOptimizer`` that ``prepare`` builds) resets the
+    type to ``MULTI_CPU`` again. ``prepare`` therefore runs as ``MULTI_CPU`` with tensor
+    parallelism, as under the Trainer: the model is kept as loaded (already TP x FSDP2
+    sharded), the optimizer wrapped in ``AcceleratedOptimizer``.
+
+    Without ``as_fsdp()`` (``MULTI_CPU``) ``save_state`` cannot save this model:
+    ``RuntimeError: Attempted to access the data pointer on an invalid python storage.``
+    (accelerate/utils/modeling.py:216, ``id_tensor_storage`` of a DTensor, from
+    ``clean_state_dict_for_safetensors``), and with ``safe_serialization=False`` rank 0's
+    ``torch.save`` writes its own DTensor shards only, which ``load_state`` loads on every
+    rank without an error: wrong parameters (0.12 off after 2 steps)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    allow_parallelism_config_on_cpu()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type,
+                                            cpu_ram_efficient_loading=False)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin,
+                              parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+
+    def as_fsdp():
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+
+    accelerator.as_fsdp = as_fsdp
+    return accelerator
+
+
+def _acc_prepared(accelerator, path: str, name: str):
+    model, coordinate = load(path, "distcfg")
+    preset, keywords = OPTIMIZERS[name]
+    model, opt = accelerator.prepare(model, make_optimizer(model, preset, **keywords))
+    return model, opt, coordinate
+
+
+def _acc_train(accelerator, model, opt, coordinate: int, first: int, last: int) -> None:
+    half = ROWS // 2
+    for step in range(first, last + 1):
+        ids = batch(step)[coordinate * half:(coordinate + 1) * half]
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 ids[:, 1:].flatten())
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _acc_params(model) -> dict:
+    return {n: full(p) for n, p in model.named_parameters()}
+
+
+def accelerate_resume(path: str, out_dir: str, name: str, state_dict_type: str,
+                      saver: str) -> dict:
+    """Train ``ACC_SAVE_AT`` steps, save (``saver``: ``"accelerate"``'s own ``save_state``
+    or ``"hf_shampoo"``'s, which consolidates first), train to ``ACC_STEPS``; then a fresh
+    model, optimizer and Accelerator load the directory and train the same steps."""
+    from hf_shampoo.integrations import accelerate as hf_accelerate
+
+    ckpt = os.path.join(out_dir, f"acc_{name}_{state_dict_type}_{saver}")
+    accelerator = accelerate_tp(state_dict_type)
+    model, opt, coordinate = _acc_prepared(accelerator, path, name)
+    distributed_type = str(accelerator.distributed_type)
+    _acc_train(accelerator, model, opt, coordinate, 1, ACC_SAVE_AT)
+    accelerator.as_fsdp()
+    if saver == "hf_shampoo":
+        hf_accelerate.save_state(accelerator, ckpt)
+    else:
+        accelerator.save_state(ckpt)
+    saved = _acc_params(model)
+    _acc_train(accelerator, model, opt, coordinate, ACC_SAVE_AT + 1, ACC_STEPS)
+    uninterrupted = _acc_params(model)
+    shampoo = hf_accelerate.find_shampoo(opt)
+    kind = type(shampoo._distributor).__name__
+    steps = [g["step"] for g in shampoo.param_groups]
+    accelerator.free_memory()
+
+    accelerator = accelerate_tp(state_dict_type)
+    model, opt, coordinate = _acc_prepared(accelerator, path, name)
+    accelerator.as_fsdp()
+    accelerator.load_state(ckpt)
+    loaded = _acc_params(model)
+    loaded_steps = [g["step"] for g in hf_accelerate.find_shampoo(opt).param_groups]
+    _acc_train(accelerator, model, opt, coordinate, ACC_SAVE_AT + 1, ACC_STEPS)
+    resumed = _acc_params(model)
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted,
+            "resumed": resumed, "steps": steps, "loaded_steps": loaded_steps, "kind": kind,
+            "distributed_type": distributed_type, "files": sorted(os.listdir(ckpt))}
+
+
+def accelerate_main(path: str, out_dir: str, cases: list[str]) -> None:
+    """Under ``torch.distributed.run --nproc_per_node 4``: each ``name:state_dict_type:saver``
+    case as ``accelerate_resume``; every rank writes its results (a case's failure is
+    recorded as its traceback, and the next case runs)."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    results: dict = {}
+    for case in cases:
+        try:
+            results[case] = accelerate_resume(path, out_dir, *case.split(":"))
+        except BaseException:  # noqa: BLE001 - DCP raises BaseException subclasses
+            results[case] = {"error": traceback.format_exc()}
+    torch.save(results, os.path.join(out_dir, f"accelerate_rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
 if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    trainer_main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    if sys.argv[1] == "accelerate":
+        accelerate_main(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        trainer_main(sys.argv[1], sys.argv[2], sys.argv[3:])
