@@ -36,3 +36,16 @@ def test_check_part_writes_its_log(tmp_path):
     log = (tmp_path / "check.log").read_text()
     assert f"torch {__import__('torch').__version__}" in log
     assert "== check exit 0" in done.stdout
+
+
+def test_tp_part_records_how_far_accelerate_gets(tmp_path):
+    """The ND-parallel part runs Accelerate's ParallelismConfig stage by stage; on a CPU it
+    records Accelerate's refusal of a CPU mesh (docs/parallelism.md) and goes on."""
+    env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "SMOKE": "1",
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(SCRIPT), "tp"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "tp.log").read_text()
+    assert "ParallelismConfig(dp_shard_size=1, tp_size=2)" in log
+    assert "got DistributedType.MULTI_CPU" in log and log.count("== tp") >= 2
