@@ -9,7 +9,8 @@ and runs a step as the named stages of ``pipeline.py``, so that nothing is half-
 from __future__ import annotations
 
 from collections import ChainMap
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .config import (
     vector_settings,
 )
 from .distributors import Distributor, make_distributor
+from .distributors.zero import ZeroPartitions, find_zero_partitions
 from .pipeline import Layout
 from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
@@ -118,7 +120,15 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._workspace = Workspace()
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
+        self._constructed: list[list[Tensor]] | None = None
         super().__init__(params, defaults)
+        # DeepSpeed ZeRO 1/2 replaces the groups' parameters by flat partitions and shows
+        # step() one group at a time (distributors/zero.py): what the groups held, and the
+        # list of all of them, recognise that
+        self._groups = self.param_groups
+        self._constructed = [list(group["params"]) for group in self.param_groups]
+        self._zero: ZeroPartitions | None = None
+        self._in_own_view = False
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
 
@@ -191,6 +201,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             group.setdefault("train_mode", True)
             group.setdefault("lr_sum", 0.0)
         super().add_param_group(group)
+        if self._constructed is not None:
+            self._constructed.append(list(self.param_groups[-1]["params"]))
         if self._layout is not None:
             self._layout = None if not any(s.state for s in self._layout.owned) else \
                 self._extend_layout(self._layout, self._trainable())
@@ -199,7 +211,42 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _all_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
+    def _deepspeed_zero(self) -> ZeroPartitions | None:
+        """DeepSpeed ZeRO 1/2's view of this optimizer, when it has one (see ``__init__``)."""
+        zero = self._zero
+        if zero is not None and (self._in_own_view or all(
+                group["params"] and group["params"][0] is flat
+                for group, flat in zip(zero.groups, zero.flats))):
+            return zero
+        self._zero = None
+        if self._constructed is not None:
+            self._zero = find_zero_partitions(self._groups, self._constructed)
+        return self._zero
+
+    @contextmanager
+    def _own_view(self) -> Iterator[ZeroPartitions | None]:
+        """Under DeepSpeed ZeRO 1/2: every group, holding its original parameters, for the
+        duration (DeepSpeed's flat partitions and its one-group view restored after)."""
+        zero = self._deepspeed_zero()
+        if zero is None or self._in_own_view:
+            yield zero
+            return
+        shown, flats = self.param_groups, [group["params"] for group in zero.groups]
+        self.param_groups = zero.groups
+        for group, originals in zip(zero.groups, zero.originals):
+            group["params"] = originals
+        self._in_own_view = True
+        try:
+            yield zero
+        finally:
+            self._in_own_view = False
+            for group, params in zip(zero.groups, flats):
+                group["params"] = params
+            self.param_groups = shown
+
     def _pick_distributor(self, final: bool = True) -> Distributor:
+        if self._in_own_view and self._zero is not None:
+            return self._zero.distributor
         d = self.defaults
         return make_distributor(
             d["distributed"], self._all_params(), d["num_trainers_per_group"],
@@ -342,6 +389,42 @@ class DistributedShampoo(torch.optim.Optimizer):
     def step(self, closure=None):
         """One optimizer step (docs/design.md §2); returns the closure's loss if one is given.
 
+        Under DeepSpeed ZeRO 1/2, which calls it once per group, the step is taken at the
+        last group's call, for every group (distributors/zero.py).
+        """
+        zero = self._deepspeed_zero()
+        if zero is None:
+            if closure is None and self._initialising_under_deepspeed():
+                return None
+            return self._step(closure)
+        index = zero.group_index(self.param_groups)
+        if not zero.collect(self.param_groups):
+            return None
+        with self._own_view():
+            loss = self._step(closure)
+        if index is not None:  # DeepSpeed copied the earlier groups before they stepped
+            zero.write_model_copies(index)
+        return loss
+
+    def _initialising_under_deepspeed(self) -> bool:
+        """DeepSpeed's bf16 wrapper without ZeRO (``FP16_UnfusedOptimizer``) calls ``step()``
+        once with zero gradients while it is built, on fp32 copies of the parameters, to
+        make the state exist: a step of nothing that would count as the first (bias
+        correction, weight decay). It is recognised (no step taken yet, parameters that
+        are not those the optimizer was built with, every gradient exactly zero) and
+        skipped."""
+        if self._constructed is None or any(group["step"] for group in self.param_groups):
+            return False
+        built = {id(p) for params in self._constructed for p in params}
+        params = self._all_params()
+        if not params or any(id(p) in built for p in params):
+            return False
+        grads = [p.grad for p in params]
+        return all(g is not None for g in grads) and not any(bool(g.any()) for g in grads)
+
+    def _step(self, closure=None):
+        """The step itself (``step``'s stages).
+
         The stages, each a function of ``pipeline.py``, run so that nothing is half-done:
         refuse non-finite gradients (``check_finite_gradients``); gather the owned stacks'
         gradients and plan each block's step; check the refreshed
@@ -466,6 +549,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         rank's blocks instead, until the next ``step()``. The hooks registered with
         ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch's ``Optimizer``.
         """
+        with self._own_view():
+            return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, Any]:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._state_dict()
@@ -532,6 +619,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         The hooks registered with ``register_load_state_dict_pre_hook`` / ``_post_hook``
         run as in torch's ``Optimizer``.
         """
+        with self._own_view():
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

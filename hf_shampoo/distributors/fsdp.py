@@ -98,9 +98,10 @@ class Cut:
     """The part of one block that one group of replicas (``ranks``) holds.
 
     A *box cut* is a box of the parameter's merged view: ``in_block`` slices the block,
-    ``in_local`` slices the holders' local tensor viewed as ``local_shape``. An *index
-    cut* (a shard that is not a box of the merged view, as a column shard of a small
-    matrix merged into one dim) holds flat indices into the block and the local tensor.
+    ``in_local`` slices the holders' box, elements ``[local_offset, + prod(local_shape))``
+    of their flat local buffer viewed as ``local_shape``. An *index cut* (a shard that is
+    not a box of the merged view, as a column shard of a small matrix merged into one dim)
+    holds flat indices into the block and the local buffer.
     """
 
     ranks: tuple[int, ...]
@@ -109,6 +110,13 @@ class Cut:
     in_block: tuple[slice, ...] | Tensor
     in_local: tuple[slice, ...] | Tensor
     local_shape: tuple[int, ...] | None  # None for an index cut
+    local_offset: int = 0
+
+    def local_box(self, local: Tensor, view: bool = False) -> Tensor:
+        """The holders' box of their local buffer (``view``: a view, to write into)."""
+        flat = local.view(-1) if view else local.reshape(-1)
+        size = math.prod(self.local_shape)
+        return flat[self.local_offset:self.local_offset + size].view(self.local_shape)
 
     @property
     def is_box(self) -> bool:
@@ -149,7 +157,7 @@ class Piece:
         """The piece of a holder's local tensor (a gradient shard), for reading."""
         cut = self.cut
         if cut.is_box:
-            return local.reshape(cut.local_shape)[cut.in_local]
+            return cut.local_box(local)[cut.in_local]
         return local.reshape(-1)[cut.in_local]
 
 
@@ -192,6 +200,21 @@ class ShardedDistributor(Distributor):
     def global_rank_and_world(self) -> tuple[int, int]:
         return self.rank, self.world_size
 
+    def values_of(self, param: Tensor) -> Tensor:
+        """The local buffer holding this rank's values of ``param`` (its DTensor shard)."""
+        return local_tensor(param)
+
+    def grad_of(self, param: Tensor) -> Tensor | None:
+        """The local buffer holding this rank's gradient of ``param``, None without one."""
+        return None if param.grad is None else local_tensor(param.grad)
+
+    def has_grad(self, param: Tensor) -> bool:
+        return param.grad is not None
+
+    def grad_elements(self, param: Tensor) -> Tensor:
+        """This rank's gradient elements of ``param`` (for the non-finite check)."""
+        return local_tensor(param.grad)
+
     # ------------------------------------------------------------- layout
     def learn_boxes(self, blocks: Sequence) -> None:
         """Every rank's box of the blocks' parameters (a collective when a parameter lives
@@ -230,7 +253,7 @@ class ShardedDistributor(Distributor):
         hi = list(block.merged) if block.slices is None else [s.stop for s in block.slices]
         cuts = []
         if merged_boxes is not None:
-            for ranks, box in zip(held.ranks, merged_boxes):
+            for ranks, box, offset in zip(held.ranks, merged_boxes, held.offsets):
                 inter = [(max(a, x), min(b, y)) for (a, b), x, y in zip(box, lo, hi)]
                 if any(x >= y for x, y in inter):
                     continue
@@ -238,7 +261,7 @@ class ShardedDistributor(Distributor):
                     ranks, math.prod(y - x for x, y in inter), tuple(y - x for x, y in inter),
                     tuple(slice(x - s, y - s) for (x, y), s in zip(inter, lo)),
                     tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(inter, box)),
-                    tuple(b - a for a, b in box)))
+                    tuple(b - a for a, b in box), offset))
             return cuts
         device = block.param.device
         numel = math.prod(held.shape)
@@ -247,14 +270,14 @@ class ShardedDistributor(Distributor):
                                                       zip(lo, hi))].reshape(-1)
         where = torch.full((numel,), -1, dtype=torch.long)
         where[in_block] = torch.arange(in_block.numel())
-        for ranks, box in zip(held.ranks, held.boxes):
+        for ranks, box, offset in zip(held.ranks, held.boxes, held.offsets):
             flat = positions.view(held.shape)[tuple(slice(a, b) for a, b in box)].reshape(-1)
             at = where[flat]
             mask = at >= 0
             count = int(mask.sum())
             if count:
                 cuts.append(Cut(ranks, count, (count,), at[mask].to(device),
-                                mask.nonzero().squeeze(1).to(device), None))
+                                (mask.nonzero().squeeze(1) + offset).to(device), None))
         return cuts
 
     @staticmethod
@@ -348,7 +371,8 @@ class ShardedDistributor(Distributor):
         params = params_with_gradients(stacks)
         for param in params.values():
             _match_placements(param)
-        has_grad, bad = _flags_on_every_rank(params, check_finite)
+        has_grad, bad = _flags_on_every_rank(params, check_finite, self.has_grad,
+                                             self.grad_elements)
         return ({id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
                  for stack in stacks}, bad)
 
@@ -367,13 +391,13 @@ class ShardedDistributor(Distributor):
                     stack_buffer(stack, "gathered_param")
 
         def grad_of(piece: Piece) -> Tensor:
-            grad = piece.block.param.grad
+            grad = self.grad_of(piece.block.param)
             if grad is None:  # no gradient here, but elsewhere: zeros (FSDP keeps none)
                 return torch.zeros(piece.cut.shape, dtype=dtype, device=piece.block.param.device)
-            return piece.local_part(local_tensor(grad))
+            return piece.local_part(grad)
 
         def param_of(piece: Piece) -> Tensor:
-            return piece.local_part(local_tensor(piece.block.param))
+            return piece.local_part(self.values_of(piece.block.param))
 
         def with_params(piece: Piece) -> bool:
             return self._params_of[id(piece.stack)]
@@ -457,9 +481,9 @@ class ShardedDistributor(Distributor):
         targets: list[Tensor] = []
         updates: list[Tensor] = []
         for piece, update in adds:
-            local = local_tensor(piece.block.param)
+            local = self.values_of(piece.block.param)
             if piece.cut.is_box:
-                target = local.view(piece.cut.local_shape)[piece.cut.in_local]
+                target = piece.cut.local_box(local, view=True)[piece.cut.in_local]
                 targets.append(target)
                 updates.append(update.view(target.shape))
             else:
@@ -495,19 +519,21 @@ def _match_placements(param: Tensor) -> None:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool
-                         ) -> tuple[set[int], list[int]]:
+def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool, has=None,
+                         elements=None) -> tuple[set[int], list[int]]:
     """Which parameters have a gradient on some rank, and (``check_finite``) which have a
     nan or an inf in some rank's gradient shard: one ``all_reduce`` of two flags per
     parameter, one host synchronisation."""
+    has = has or (lambda p: p.grad is not None)
+    elements = elements or (lambda p: local_tensor(p.grad))
     order = list(params)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     flags = torch.zeros((2, len(order)), dtype=torch.int32, device=device)
-    flags[0] = torch.tensor([params[i].grad is not None for i in order], dtype=torch.int32,
-                            device=device)
-    with_grad = [k for k, i in enumerate(order) if params[i].grad is not None]
+    present = [has(params[i]) for i in order]
+    flags[0] = torch.tensor(present, dtype=torch.int32, device=device)
+    with_grad = [k for k, here in enumerate(present) if here]
     if check_finite and with_grad:
-        bad = nonfinite_flags([local_tensor(params[order[k]].grad) for k in with_grad])
+        bad = nonfinite_flags([elements(params[order[k]]) for k in with_grad])
         flags[1, torch.tensor(with_grad, device=device)] = bad.to(torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     has_grad, nonfinite = flags.tolist()

@@ -198,18 +198,31 @@ def _check_local(index: int, param: Tensor, boxes: dict[int, Box | None],
 @dataclass(frozen=True)
 class HeldBy:
     """One parameter's boxes grouped: ``boxes[k]`` is held by every rank of ``ranks[k]``
-    (replicas), the boxes are disjoint and together cover the parameter."""
+    (replicas), at flat element ``offsets[k]`` of their local buffer (0 where the local
+    tensor is the box itself, as under FSDP2 and tensor parallelism; a position in a flat
+    partition under DeepSpeed ZeRO); the boxes are disjoint and cover the parameter.
+
+    ``per_rank[r]`` is rank ``r``'s box, None, or a list of ``(box, offset)``."""
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
     ranks: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, shape: Sequence[int], per_rank: Sequence[Box | None], name: str) -> HeldBy:
+    def of(cls, shape: Sequence[int], per_rank: Sequence, name: str) -> HeldBy:
         groups: dict[Box, list[int]] = {}
-        for rank, box in enumerate(per_rank):
-            if box is not None:
+        offsets: dict[Box, int] = {}
+        for rank, held in enumerate(per_rank):
+            if held is None:
+                continue
+            pieces = held if isinstance(held, list) else [(held, 0)]
+            for box, offset in pieces:
                 groups.setdefault(box, []).append(rank)
+                if offsets.setdefault(box, offset) != offset:
+                    raise ValueError(
+                        f"DistributedShampoo: parameter {name}: replicas of {box} hold it at "
+                        "different places of their local buffers")
         boxes = sorted(groups)
         for a, b in itertools.combinations(boxes, 2):
             if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
@@ -223,11 +236,42 @@ class HeldBy:
                 f"DistributedShampoo: parameter {name} (shape {tuple(shape)}): the ranks' "
                 f"shards hold {volume} of its {numel} elements. {SUPPORTED}")
         return cls(tuple(int(n) for n in shape), tuple(boxes),
-                   tuple(tuple(groups[b]) for b in boxes))
+                   tuple(tuple(groups[b]) for b in boxes), tuple(offsets[b] for b in boxes))
 
     @property
     def replicated(self) -> bool:
         return len(self.boxes) == 1
+
+
+def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[Box, int]]:
+    """Elements ``[lo, hi)`` of a tensor of ``shape`` in row-major order, as boxes that are
+    each contiguous in that order, with each box's first element's position in the range
+    (a partial leading row, whole rows, a partial trailing row, recursively)."""
+    shape = tuple(int(n) for n in shape)
+    if not shape:
+        return [((), 0)] if lo < hi else []
+    out: list[tuple[Box, int]] = []
+
+    def split(dims: tuple[int, ...], start: int, stop: int, prefix: Box, base: int) -> None:
+        if start >= stop:
+            return
+        inner = math.prod(dims[1:])
+        first, last = start // inner, (stop - 1) // inner
+        if len(dims) == 1:
+            out.append(((*prefix, (start, stop)), base))
+            return
+        if first == last or start % inner:  # a partial first row
+            end = min(stop, (first + 1) * inner)
+            split(dims[1:], start - first * inner, end - first * inner,
+                  (*prefix, (first, first + 1)), base)
+            split(dims, end, stop, prefix, base + end - start)
+            return
+        whole = stop // inner  # rows [first, whole) are whole
+        out.append(((*prefix, (first, whole), *((0, n) for n in dims[1:])), base))
+        split(dims, whole * inner, stop, prefix, base + (whole * inner - start))
+
+    split(shape, lo, hi, (), 0)
+    return out
 
 
 def merged_box(box: Box, shape: Sequence[int], merged: Sequence[int]) -> Box | None:
