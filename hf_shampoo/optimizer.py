@@ -579,6 +579,10 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def local_state_dict(self) -> dict[str, Any]:
         """The state of the blocks this rank owns (the whole state in one process)."""
+        with self._own_view():
+            return self._local_state_dict()
+
+    def _local_state_dict(self) -> dict[str, Any]:
         layout = self._ensure_layout()
         for stack in layout.owned:  # every owned block has state, also before its first step
             stack.materialize(stack.settings(self.param_groups))
@@ -606,6 +610,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         ranks (e.g. each node's first rank, for ``save_on_each_node``) or ``None`` for every
         rank. Tools that save on one rank only (Trainer, Accelerate) call this first; in
         one process it does nothing."""
+        with self._own_view():
+            return self._consolidate_state_dict(to)
+
+    def _consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
         self._consolidated = None
         self._ensure_layout()
         if not self._distributor.is_sharded_state:
@@ -680,6 +688,10 @@ class DistributedShampoo(torch.optim.Optimizer):
     def owned_state_keys(self) -> list[tuple[int, str]]:
         """``(param_index, "block_{b}.{name}")`` of every state tensor this rank holds or
         will hold (used to load sharded checkpoints)."""
+        with self._own_view():
+            return self._owned_state_keys()
+
+    def _owned_state_keys(self) -> list[tuple[int, str]]:
         layout = self._ensure_layout()
         prefix = self._key_prefix()
         keys = []
@@ -695,6 +707,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         and grafting, and the bytes of optimizer state the block will hold on that rank
         (``state_bytes``: every state tensor of the block's configuration, allocated or
         not yet)."""
+        with self._own_view():
+            return self._describe_blocks()
+
+    def _describe_blocks(self) -> list[dict[str, Any]]:
         layout = self._ensure_layout()
         rows = []
         for s in layout.stacks:
