@@ -127,7 +127,6 @@ def test_engine_checkpoint_resumes_exactly(checkpoint_runs):
         assert_params_equal(run["resumed"], run["uninterrupted"])
 
 
-@pytest.mark.slow  # a third torchrun (one rank) after the checkpoint group's
 def test_resume_on_one_rank(checkpoint_runs, checkpoint_dir):
     """The 2-rank checkpoint on 1 rank (the two ranks' micro-batches accumulated): hf_shampoo's
     ``save_sharded`` / ``load_sharded`` resume bit for bit; DeepSpeed's own engine checkpoint
@@ -135,8 +134,9 @@ def test_resume_on_one_rank(checkpoint_runs, checkpoint_dir):
     (result,) = scenario("resume_one", checkpoint_dir, nproc=1)
     assert result["loaded_step"] == 3
     assert_params_equal(result["resumed"], checkpoint_runs[0]["uninterrupted"])
-    assert result["ds_load"] != "loaded"
-    assert "world size" in result["ds_load"] or "partition" in result["ds_load"]
+    assert result["ds_load"].startswith("ZeRORuntimeException: The checkpoint being loaded "
+                                        "used a DP world size of 2 but the current world "
+                                        "size is 1"), result["ds_load"]
 
 
 # ------------------------------------------------------------------------ ZeRO 3
@@ -160,7 +160,6 @@ def trainer_runs(tmp_path_factory):
     return result
 
 
-@pytest.mark.slow  # five Trainer runs in one torchrun
 @pytest.mark.parametrize("optim", ["distributed_shampoo", "distributed_muon"])
 def test_trainer_zero2_equals_zero0(trainer_runs, optim):
     """``TrainingArguments(deepspeed=..., optim=...)``, fp32, 6 steps: ZeRO 2's final
@@ -174,7 +173,6 @@ def test_trainer_zero2_equals_zero0(trainer_runs, optim):
     assert_params_equal(zero2["params"], zero0["params"])
 
 
-@pytest.mark.slow
 def test_trainer_zero2_resumes_exactly(trainer_runs):
     """The Trainer's checkpoint at step 3 (DeepSpeed's engine checkpoint with the
     optimizer's state dict inside) and ``resume_from_checkpoint``: steps 4-6 as the
