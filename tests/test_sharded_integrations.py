@@ -114,7 +114,7 @@ def test_fsdp1_flat_parameter_is_refused():
 def test_deepspeed_zero_parameter_is_refused():
     param = torch.nn.Parameter(torch.randn(10))
     param.ds_id = 3
-    with pytest.raises(ValueError, match="DeepSpeed ZeRO.*FSDP2"):
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO stage 3.*stage 1 or 2.*FSDP2"):
         DistributedShampoo([param])
 
 

@@ -90,9 +90,13 @@ def refuse_unsupported(
             )
         if any(hasattr(param, a) for a in ("ds_id", "ds_numel", "ds_tensor")):
             raise ValueError(
-                f"DistributedShampoo: parameter {where} is partitioned by DeepSpeed ZeRO. "
-                f"{SUPPORTED}. Use FSDP2 (fully_shard) for sharded training, or ZeRO "
-                "stage 0 (data parallel)"
+                f"DistributedShampoo: parameter {where} is partitioned by DeepSpeed ZeRO "
+                "stage 3, which gathers parameters only inside forward and backward: "
+                f"no rank can hold a whole block. {SUPPORTED}, and DeepSpeed ZeRO stage 1 "
+                "or 2 (optimizer state and gradients sharded) or 0. Set "
+                "zero_optimization.stage to 1 or 2, or shard the parameters with FSDP2 "
+                "(fully_shard; Accelerate: fsdp_version: 2; Trainer: "
+                "fsdp_config={'fsdp_version': 2})"
             )
         if not is_dtensor(param):
             continue
