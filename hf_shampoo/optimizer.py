@@ -8,7 +8,6 @@ and runs a step as the named stages of ``pipeline.py``, so that nothing is half-
 
 from __future__ import annotations
 
-import functools
 from collections import ChainMap
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -35,18 +34,6 @@ from .pipeline import Layout
 from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
 from .state_view import StateView
-
-
-def _in_own_view(method):
-    """``method`` run in the optimizer's own view of its groups (under DeepSpeed ZeRO 1/2:
-    the original parameters, not the flat partitions; see ``_own_view``)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._own_view():
-            return method(self, *args, **kwargs)
-
-    return wrapper
 
 
 class DistributedShampoo(torch.optim.Optimizer):
@@ -590,7 +577,6 @@ class DistributedShampoo(torch.optim.Optimizer):
                     "param_groups": [dict(g) for g in c["param_groups"]], "shard": c["shard"]}
         return self.local_state_dict()
 
-    @_in_own_view
     def local_state_dict(self) -> dict[str, Any]:
         """The state of the blocks this rank owns (the whole state in one process)."""
         with self._own_view():
@@ -617,7 +603,6 @@ class DistributedShampoo(torch.optim.Optimizer):
         prefix = getattr(self._distributor, "state_key_prefix", None)
         return prefix() if prefix is not None else ""
 
-    @_in_own_view
     def consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
         """Gather every rank's blocks onto global rank ``to`` (a collective: every rank
         calls it), so that ``state_dict()`` there returns the full state until the next
@@ -700,7 +685,6 @@ class DistributedShampoo(torch.optim.Optimizer):
         if saved is not None:
             self.load_state_dict(saved)
 
-    @_in_own_view
     def owned_state_keys(self) -> list[tuple[int, str]]:
         """``(param_index, "block_{b}.{name}")`` of every state tensor this rank holds or
         will hold (used to load sharded checkpoints)."""
@@ -718,7 +702,6 @@ class DistributedShampoo(torch.optim.Optimizer):
                          for n in names]
         return keys
 
-    @_in_own_view
     def describe_blocks(self) -> list[dict[str, Any]]:
         """One row per block: parameter name, block shape, owning rank, its preconditioner
         and grafting, and the bytes of optimizer state the block will hold on that rank
