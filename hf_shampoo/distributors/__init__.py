@@ -1,8 +1,11 @@
 """Distributors: where blocks live and how directions travel between ranks.
 
-``base`` holds the interface and the shared helpers; ``single``, ``ddp`` and ``fsdp`` are
-the three ways of exchanging directions (none, one all-gather, FSDP2 / HSDP row exchange)
-and import only ``base``; ``factory.make_distributor`` picks one for the parameters.
+``base`` holds the interface and the shared helpers, ``placements`` which part of every
+parameter each rank holds (DTensor layouts, DeepSpeed's flat ranges); ``single``, ``ddp``
+and ``fsdp`` are the ways of exchanging directions (none, one all-gather, the lossless
+exchange of block parts for FSDP2 / HSDP / tensor parallel) and import only those two;
+``zero`` is the lossless exchange over DeepSpeed ZeRO 1/2's flat partitions;
+``factory.make_distributor`` picks one for the parameters.
 """
 
 from .base import OTHER_RANK, Distributor, block_cost, greedy_assignment
