@@ -678,6 +678,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         saved = state.pop("_saved_state", None)
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it
+        self._groups = self.param_groups
+        self._constructed = [list(group["params"]) for group in self.param_groups]
+        self._zero, self._in_own_view = None, False
         self._layout, self._consolidated, self._distributor = None, None, None
         self._workspace, self._schedules = Workspace(), {}
         self.state = StateView(self)

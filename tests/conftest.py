@@ -12,8 +12,16 @@ nothing: the suite runs on CPU exactly as before.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# DeepSpeed (a test dependency) is imported by transformers' Trainer when it is installed;
+# on a machine without a GPU it would print an accelerator warning into the output of
+# every script the tests run: name its CPU accelerator, for this process and its children
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 try:
     from tests.helpers import TEST_DEVICE
