@@ -215,7 +215,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         """DeepSpeed ZeRO 1/2's view of this optimizer, when it has one (see ``__init__``)."""
         zero = self._zero
         if zero is not None and (self._in_own_view or all(
-                group["params"] and group["params"][0] is flat
+                (group["params"][0] if group["params"] else None) is flat
                 for group, flat in zip(zero.groups, zero.flats))):
             return zero
         self._zero = None

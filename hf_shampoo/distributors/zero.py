@@ -58,8 +58,9 @@ def find_zero_partitions(groups: list[dict], constructed: list[list[Tensor]]
         if all(id(p) in ours for p in params):
             continue
         trainable = [p for p in originals if p.requires_grad]
-        if len(params) != 1 or params[0].dim() != 1 or not trainable or not all(
-                _linked(p) for p in trainable):
+        if not trainable:  # a frozen group: DeepSpeed's partition of it is empty
+            continue
+        if len(params) != 1 or params[0].dim() != 1 or not all(_linked(p) for p in trainable):
             return None
         swapped = True
     if not swapped:
@@ -78,7 +79,7 @@ class ZeroPartitions:
     distributor: ZeroDistributor | None = None
 
     def __post_init__(self) -> None:
-        self.flats = [g["params"][0] for g in self.groups]
+        self.flats = [g["params"][0] if g["params"] else None for g in self.groups]
         self.grads = [None] * len(self.groups)
         for originals in self.originals:
             for p in originals:
@@ -125,7 +126,7 @@ class ZeroPartitions:
         if index in (None, 0):
             self.grads = [None] * len(self.groups)
         for i in indices:
-            self.grads[i] = self.flats[i].grad
+            self.grads[i] = None if self.flats[i] is None else self.flats[i].grad
         return index is None or index == len(self.groups) - 1
 
     def write_model_copies(self, upto: int) -> None:
@@ -189,6 +190,6 @@ class ZeroDistributor(ShardedDistributor):
         mapping = getattr(param, "_hp_mapping", None)
         grad = self.grad_of(param)
         if mapping is None or grad is None:
-            return torch.zeros(0, device=self.zero.flats[0].device)
+            return torch.zeros(0, device=param.device)
         address = mapping.hp_fragment_address
         return grad[address.start:address.start + address.numel]
