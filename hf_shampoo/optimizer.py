@@ -121,6 +121,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
         self._constructed: list[list[Tensor]] | None = None
+        self._checked: list[list[Tensor]] = []  # the groups' lists _zero was found for
         super().__init__(params, defaults)
         # DeepSpeed ZeRO 1/2 replaces the groups' parameters by flat partitions and shows
         # step() one group at a time (distributors/zero.py): what the groups held, and the
@@ -212,15 +213,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def _deepspeed_zero(self) -> ZeroPartitions | None:
-        """DeepSpeed ZeRO 1/2's view of this optimizer, when it has one (see ``__init__``)."""
-        zero = self._zero
-        if zero is not None and (self._in_own_view or all(
-                (group["params"][0] if group["params"] else None) is flat
-                for group, flat in zip(zero.groups, zero.flats))):
-            return zero
-        self._zero = None
-        if self._constructed is not None:
+        """DeepSpeed ZeRO 1/2's view of this optimizer, when it has one (see ``__init__``):
+        looked for again only when a group's parameter list is another list than when it
+        was last looked for (DeepSpeed, Accelerate and FSDP2 replace the lists)."""
+        if self._in_own_view or self._constructed is None:
+            return self._zero
+        lists = [group["params"] for group in self._groups]
+        if len(lists) != len(self._checked) or any(
+                a is not b for a, b in zip(lists, self._checked)):
             self._zero = find_zero_partitions(self._groups, self._constructed)
+            self._checked = lists
         return self._zero
 
     @contextmanager
@@ -304,11 +306,17 @@ class DistributedShampoo(torch.optim.Optimizer):
         return blockings, blocks
 
     @staticmethod
-    def _param_settings(group: dict, param: Tensor) -> Mapping:
+    def _vector_overrides(group: Mapping, param: Tensor) -> dict:
+        """``vector_preconditioner``'s settings for a vector-like parameter (one expert's
+        shape for fused experts), nothing for the others."""
+        vector = is_vector_like(expert_shape(param.shape, group["experts"]))
+        return vector_settings(group) if vector else {}
+
+    @classmethod
+    def _param_settings(cls, group: dict, param: Tensor) -> Mapping:
         """A parameter's hyperparameters: its group's, with ``vector_preconditioner``'s
         settings on top for a vector-like parameter."""
-        vector = is_vector_like(expert_shape(param.shape, group["experts"]))
-        overrides = vector_settings(group) if vector else {}
+        overrides = cls._vector_overrides(group, param)
         return ChainMap(overrides, group) if overrides else group
 
     def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
@@ -318,8 +326,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             group = self.param_groups[block.group_index]
             wide = torch.float64 in (block.param.dtype, group["factor_matrix_dtype"])
             work_dtype = torch.float64 if wide else torch.float32
-            vector = is_vector_like(expert_shape(block.param.shape, group["experts"]))
-            overrides = vector_settings(group) if vector else {}
+            overrides = self._vector_overrides(group, block.param)
             kinds.append((block.group_index, shape, block.param.device, work_dtype,
                           tuple(sorted(overrides.items()))))
         # what each block costs its owner, as its kind holds and computes it
@@ -397,8 +404,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             if closure is None and self._initialising_under_deepspeed():
                 return None
             return self._step(closure)
-        index = zero.group_index(self.param_groups)
-        if not zero.collect(self.param_groups):
+        ready, index = zero.collect(self.param_groups)
+        if not ready:
             return None
         with self._own_view():
             loss = self._step(closure)
@@ -680,7 +687,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it
         self._groups = self.param_groups
         self._constructed = [list(group["params"]) for group in self.param_groups]
-        self._zero, self._in_own_view = None, False
+        self._zero, self._in_own_view, self._checked = None, False, []
         self._layout, self._consolidated, self._distributor = None, None, None
         self._workspace, self._schedules = Workspace(), {}
         self.state = StateView(self)

@@ -213,7 +213,7 @@ class ShardedDistributor(Distributor):
 
     def grad_elements(self, param: Tensor) -> Tensor:
         """This rank's gradient elements of ``param`` (for the non-finite check)."""
-        return local_tensor(param.grad)
+        return self.grad_of(param)
 
     # ------------------------------------------------------------- layout
     def learn_boxes(self, blocks: Sequence) -> None:
@@ -519,13 +519,12 @@ def _match_placements(param: Tensor) -> None:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool, has=None,
-                         elements=None) -> tuple[set[int], list[int]]:
+def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
+                         has: Callable[[Tensor], bool], elements: Callable[[Tensor], Tensor]
+                         ) -> tuple[set[int], list[int]]:
     """Which parameters have a gradient on some rank, and (``check_finite``) which have a
     nan or an inf in some rank's gradient shard: one ``all_reduce`` of two flags per
     parameter, one host synchronisation."""
-    has = has or (lambda p: p.grad is not None)
-    elements = elements or (lambda p: local_tensor(p.grad))
     order = list(params)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     flags = torch.zeros((2, len(order)), dtype=torch.int32, device=device)

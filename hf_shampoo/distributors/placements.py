@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -51,10 +51,15 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-def describe_param(index: int, param: Tensor, names: Sequence[str] | None) -> str:
-    if names is not None and index < len(names):
-        return repr(names[index])
-    return f"{index} (shape {tuple(param.shape)})"
+def describe_param(index: int, param: Tensor,
+                   names: Sequence[str] | Mapping[int, str] | None) -> str:
+    """A parameter in an error: its name (``names`` by position or by ``param_index``),
+    else its index and shape."""
+    if isinstance(names, Mapping):
+        name = names.get(index)
+    else:
+        name = names[index] if names is not None and index < len(names) else None
+    return repr(name) if name is not None else f"{index} (shape {tuple(param.shape)})"
 
 
 def placement_problem(placements: Sequence) -> str | None:
@@ -139,12 +144,12 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
-def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None = None,
-             gather: bool = True) -> dict[int, list[Box | None]]:
+def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None = None
+             ) -> dict[int, list[Box | None]]:
     """``param_index`` → every global rank's box (None: it holds nothing). A plain
     parameter is held whole by every rank. Parameters on a mesh smaller than the world
-    (a sub-mesh) need every rank's view: one ``all_gather_object`` (``gather``), which
-    every rank reaches because layouts are built by every rank alike."""
+    (a sub-mesh) need every rank's view: one ``all_gather_object``, which every rank
+    reaches because layouts are built by every rank alike."""
     out: dict[int, list[Box | None]] = {}
     partial: dict[int, dict[int, Box | None]] = {}
     for index, param in params.items():
@@ -158,9 +163,6 @@ def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None
         else:
             partial[index] = boxes
     if partial:
-        if not gather:
-            raise ValueError("DistributedShampoo: parameters on sub-meshes need a process "
-                             "group to find every rank's shard")
         everyone: list = [None] * world
         dist.all_gather_object(everyone, partial)
         for index in partial:
@@ -169,18 +171,13 @@ def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None
                 merged.update(seen.get(index, {}))
             missing = [r for r in range(world) if r not in merged]
             if missing:
+                where = describe_param(index, params[index], names)
                 raise ValueError(
-                    f"DistributedShampoo: parameter {_name(index, params[index], names)} is "
+                    f"DistributedShampoo: parameter {where} is "
                     f"held by no mesh on ranks {missing}; every rank must hold every "
                     "parameter (pipeline-parallel stages need one optimizer per stage)")
             out[index] = [merged[r] for r in range(world)]
     return out
-
-
-def _name(index: int, param: Tensor, names: dict[int, str] | None) -> str:
-    if names and index in names:
-        return repr(names[index])
-    return f"{index} (shape {tuple(param.shape)})"
 
 
 def _check_local(index: int, param: Tensor, boxes: dict[int, Box | None],
@@ -194,7 +191,7 @@ def _check_local(index: int, param: Tensor, boxes: dict[int, Box | None],
         return
     if dist.is_initialized() and expected != local:
         raise ValueError(
-            f"DistributedShampoo: parameter {_name(index, param, names)} placed "
+            f"DistributedShampoo: parameter {describe_param(index, param, names)} placed "
             f"{tuple(param.placements)}: its local shard is {local}, but the placements give "
             f"this rank {expected}. {SUPPORTED}")
 

@@ -118,16 +118,17 @@ class ZeroPartitions:
                                f"{len(shown)} of {len(self.groups)} groups")
         return next(i for i, g in enumerate(self.groups) if g is shown[0])
 
-    def collect(self, shown: list[dict]) -> bool:
-        """Keep the gradient partitions of the groups in this call; True when every group
-        has been shown in this step (time to step them all)."""
+    def collect(self, shown: list[dict]) -> tuple[bool, int | None]:
+        """Keep the gradient partitions of the groups in this call; whether every group has
+        been shown in this step (time to step them all), and which group this call showed
+        (``group_index``)."""
         index = self.group_index(shown)
         indices = range(len(self.groups)) if index is None else [index]
         if index in (None, 0):
             self.grads = [None] * len(self.groups)
         for i in indices:
             self.grads[i] = None if self.flats[i] is None else self.flats[i].grad
-        return index is None or index == len(self.groups) - 1
+        return index is None or index == len(self.groups) - 1, index
 
     def write_model_copies(self, upto: int) -> None:
         """Copy the fp32 partitions of groups ``[0, upto)`` to their model-precision pieces
