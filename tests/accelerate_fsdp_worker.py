@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.accelerate import register_checkpoint_hook
+from tests.helpers import join_gloo_world
 
 CONFIG = dict(lr=0.05, grafting="adam", precondition_frequency=2, epsilon=1e-3,
               max_preconditioner_dim=8, weight_decay=0.01)
@@ -109,12 +110,7 @@ def scenario(rank: int, out_dir: str, state_dict_type: str, bf16: bool) -> dict:
 
 
 def run_world(rank: int, world: int, init_file: str, out_dir: str):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    join_gloo_world(rank, world, init_file)
     results: dict = {}
     try:
         for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):

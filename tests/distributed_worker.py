@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hf_shampoo import DistributedShampoo, quantization
 from hf_shampoo.checkpoint import load_sharded, save_sharded
+from tests.helpers import join_gloo_world
 
 SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), ()]
 
@@ -158,6 +159,16 @@ def small_factors_quantized(config: dict):
 # well conditioned (a rank-deficient factor with ε = 1e-12 amplifies rounding ~1e6 times).
 WRAPPED_CONFIG = dict(lr=0.05, grafting="adam", precondition_frequency=2, epsilon=1e-3,
                       max_preconditioner_dim=8)
+
+
+def train_wrapped(model, opt, x, y, steps: int = 4) -> None:
+    """The wrapped-model scenarios' loop: ``steps`` steps of a mean squared error on
+    ``(x, y)``, the gradients clipped to norm 10 (on DTensors too) before each step."""
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
 STEPS = 5
 NO_GRAD = {1: (2, 3)}  # parameter 1 has no gradient at steps 2 and 3
 
@@ -268,11 +279,7 @@ def _accelerate_scenario(rank: int, world: int) -> dict:
 
 
 def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: str | None):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    join_gloo_world(rank, world, init_file)
     results: dict = {}
     for name, config in SCENARIOS.items():
         params, opt = train(config)

@@ -91,22 +91,70 @@ def run_against_reference(
     return ref
 
 
-def run_trainer_fsdp_worker(out_dir, state_dict_type: str, nproc: int, device: str = "cpu",
-                            timeout: int = 300) -> dict:
-    """``tests/trainer_fsdp_worker.py`` under ``torchrun --nproc_per_node nproc`` in a fresh
-    environment (no rank variables another test may have left, one thread per rank); the
-    result it wrote."""
-    root = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(script: str, args: list[str], nproc: int, timeout: int = 300,
+             **env_extra: str) -> None:
+    """``tests/<script> args`` under ``torchrun --nproc_per_node nproc`` in a fresh
+    environment: no rank variables another test may have left, one thread per rank, this
+    checkout first on the path (not whichever copy the environment installed), and
+    ``env_extra``; fails the test with the output's tail unless every rank succeeds."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+               **env_extra)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", str(nproc),
-                           str(root / "tests" / "trainer_fsdp_worker.py"),
-                           str(out_dir), state_dict_type, device],
-                          cwd=root, env=env, timeout=timeout, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+                           "--nproc_per_node", str(nproc), str(ROOT / "tests" / script), *args],
+                          cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def join_gloo_world(rank: int, world: int, init_file: str) -> None:
+    """What an ``mp.spawn``ed test rank does first: one thread, the rank variables
+    Accelerate and the Trainer read, a gloo group through ``init_file``."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}",
+                                         rank=rank, world_size=world)
+
+
+def assert_bitwise(got, expected) -> None:
+    """The same number of tensors, each equal bit for bit (the largest difference shown)."""
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+
+
+# scenarios whose communication rounds, and how close to one process they stay: bf16 rounds
+# each update to 8 bits of mantissa; with float64 factors the float64 update travels (and
+# is applied) as float32, as under DDP
+ROUNDED_COMMUNICATION = (("bf16_communication", 5e-4), ("compute_cost_f64", 1e-6))
+
+
+def assert_rounded_runs_close_and_identical(rank_results, one_process) -> None:
+    """For each scenario of ``ROUNDED_COMMUNICATION``: every rank's parameters within its
+    tolerance of ``one_process(scenario)``'s, and equal across ranks bit for bit."""
+    for scenario, atol in ROUNDED_COMMUNICATION:
+        expected = one_process(scenario)
+        first = rank_results[0][scenario]["params"]
+        for rank_result in rank_results:
+            got = rank_result[scenario]["params"]
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, rtol=0, atol=atol)
+            assert_bitwise(got, first)
+
+
+def run_trainer_fsdp_worker(out_dir, state_dict_type: str, nproc: int, device: str = "cpu",
+                            timeout: int = 300) -> dict:
+    """``tests/trainer_fsdp_worker.py`` under ``torchrun`` (``torchrun``); the result it
+    wrote."""
+    torchrun("trainer_fsdp_worker.py", [str(out_dir), state_dict_type, device], nproc,
+             timeout)
     return json.loads((Path(out_dir) / f"result_{state_dict_type}.json").read_text())
 
 

@@ -31,6 +31,7 @@ from hf_shampoo.checkpoint import save_sharded
 from hf_shampoo.distributors.placements import mesh_boxes
 from tests import distributed_worker as ddp_worker
 from tests import sharded_worker
+from tests.helpers import join_gloo_world
 
 # the sharded scenarios' parameters, plus a fused-experts weight (4 experts of 6 x 5)
 SHAPES = [*sharded_worker.SHAPES, (4, 6, 5)]
@@ -136,17 +137,11 @@ def train_one_process(config: dict, steps: int = STEPS):
 
 def train(mesh, layout: str, config: dict, steps: int = STEPS, params=None, optimizer=None,
           first_step: int = 1, between=None):
+    """``sharded_worker.train`` with this layout's parameters and gradients."""
     params = params if params is not None else params_for(mesh, layout)
-    opt = optimizer or ddp_worker.optimizer_for(params, config)
-    with ddp_worker.small_factors_quantized(config):
-        for step in range(first_step, first_step + steps):
-            set_grads(params, mesh, layout, step)
-            ddp_worker.before_step(opt, config)
-            opt.step()
-            ddp_worker.after_step(opt, config, step)
-            if between is not None:
-                between(step, params, opt)
-    return params, opt
+    return sharded_worker.train(
+        mesh, config, steps, params, optimizer, first_step, between,
+        set_grads=lambda params, step: set_grads(params, mesh, layout, step))
 
 
 def boxes_match_local_shards(params) -> bool:
@@ -242,11 +237,7 @@ def tensor_parallel_model(mesh, layout: str) -> dict:
         coordinate = dp_mesh.get_local_rank() if dp_mesh.ndim == 1 else (
             dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1))
     batch = slice(coordinate * 4, (coordinate + 1) * 4)
-    for _ in range(4):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-        opt.step()
+    ddp_worker.train_wrapped(model, opt, x[batch], y[batch])
     return {"params": [full(p) for p in model.parameters()], "initial": initial,
             "placements": [str(tuple(p.placements)) for p in model.parameters()],
             "replicas": replicas, "kind": type(opt._distributor).__name__}
@@ -255,11 +246,7 @@ def tensor_parallel_model(mesh, layout: str) -> dict:
 def run_world(rank: int, layout: str, init_file: str, out_dir: str,
               resume_from: str | None, scenarios: list[str]):
     world = LAYOUTS[layout][0]
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    join_gloo_world(rank, world, init_file)
     results: dict = {}
     try:
         mesh = make_mesh(layout)

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from hf_shampoo import DistributedShampoo
 from tests import distributed_worker as ddp_worker
+from tests.helpers import join_gloo_world
 
 # rows not divisible by 2, 3 or 4; (40, 20) has blocks that span shards; (2, 5) leaves a
 # rank of a 3-way mesh without rows; (3,) stays a plain (replicated) parameter; (6, 2) is
@@ -114,12 +115,15 @@ def train_one_process(config: dict, steps: int = STEPS, shapes=SHAPES):
 
 
 def train(mesh, config: dict, steps: int = STEPS, params=None, optimizer=None,
-          first_step: int = 1, between=None):
+          first_step: int = 1, between=None, set_grads=None):
+    """``steps`` steps from ``first_step`` on; ``set_grads(params, step)`` places each
+    step's gradients (default: ``set_sharded_grads`` on ``mesh``)."""
     params = params if params is not None else sharded_params(mesh)
+    set_grads = set_grads or (lambda params, step: set_sharded_grads(params, mesh, step))
     opt = optimizer or ddp_worker.optimizer_for(params, config)
     with ddp_worker.small_factors_quantized(config):
         for step in range(first_step, first_step + steps):
-            set_sharded_grads(params, mesh, step)
+            set_grads(params, step)
             ddp_worker.before_step(opt, config)
             opt.step()
             ddp_worker.after_step(opt, config, step)
@@ -260,22 +264,14 @@ def _fully_shard_model(mesh, results: dict) -> None:
     world = dist.get_world_size()
     x, y = torch.randn(4 * world, 6, generator=data), torch.randn(4 * world, 3, generator=data)
     shard = slice(dist.get_rank() * 4, (dist.get_rank() + 1) * 4)
-    for _ in range(4):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-        opt.step()
+    ddp_worker.train_wrapped(model, opt, x[shard], y[shard])
     results["model"] = {"params": [full(p) for p in model.parameters()],
                         "initial": reference, "kind": type(opt._distributor).__name__}
 
 
 def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: str | None,
               hsdp: bool = False):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    join_gloo_world(rank, world, init_file)
     mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
             if hsdp else init_device_mesh("cpu", (world,)))
     results: dict = {}

@@ -5,9 +5,6 @@ DDP, bf16, checkpoints, the Trainer's ``deepspeed=`` path and the ZeRO 3 refusal
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,22 +14,12 @@ pytest.importorskip(
     "deepspeed", reason="DeepSpeed is not installed (pip install 'deepspeed>=0.19,<0.20')")
 
 from tests import deepspeed_worker as worker  # noqa: E402
+from tests.helpers import assert_bitwise, torchrun  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def launch(script: str, args: list[str], nproc: int = 2, timeout: int = 300) -> None:
-    """``script`` under torchrun in a fresh environment: DeepSpeed's CPU accelerator, one
-    thread per rank, this checkout first on the path, no rank variables left over."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", str(nproc), str(ROOT / "tests" / script), *args],
-                          cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+def launch(script: str, args: list[str], nproc: int = 2) -> None:
+    """``script`` on ``nproc`` ranks with DeepSpeed's CPU accelerator (``torchrun``)."""
+    torchrun(script, args, nproc, DS_ACCELERATOR="cpu")
 
 
 def scenario(name: str, out_dir: Path, nproc: int = 2) -> list[dict]:
@@ -44,9 +31,6 @@ def scenario(name: str, out_dir: Path, nproc: int = 2) -> list[dict]:
     return results
 
 
-def assert_params_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y), (x.float() - y.float()).abs().max()
 
 
 # ------------------------------------------------------------------------ engine level
@@ -94,7 +78,7 @@ def test_zero_bf16_equals_zero0_bf16(bf16_runs, name):
     for rank_result in bf16_runs:
         assert rank_result[name]["distributor"] == "ZeroDistributor"
         assert rank_result[name]["losses"] == rank_result["z0"]["losses"]
-        assert_params_equal(rank_result[name]["params"], rank_result["z0"]["params"])
+        assert_bitwise(rank_result[name]["params"], rank_result["z0"]["params"])
 
 
 def test_zero0_bf16_skips_the_construction_step(bf16_runs):
@@ -124,7 +108,7 @@ def test_engine_checkpoint_resumes_exactly(checkpoint_runs):
         assert run["distributor"] == "ZeroDistributor"
         assert run["loaded_step"] == 3
         assert run["losses_b"] == run["losses_a"]
-        assert_params_equal(run["resumed"], run["uninterrupted"])
+        assert_bitwise(run["resumed"], run["uninterrupted"])
 
 
 def test_resume_on_one_rank(checkpoint_runs, checkpoint_dir):
@@ -133,7 +117,7 @@ def test_resume_on_one_rank(checkpoint_runs, checkpoint_dir):
     is refused by DeepSpeed (its ZeRO checkpoints are per data-parallel rank)."""
     (result,) = scenario("resume_one", checkpoint_dir, nproc=1)
     assert result["loaded_step"] == 3
-    assert_params_equal(result["resumed"], checkpoint_runs[0]["uninterrupted"])
+    assert_bitwise(result["resumed"], checkpoint_runs[0]["uninterrupted"])
     assert result["ds_load"].startswith("ZeRORuntimeException: The checkpoint being loaded "
                                         "used a DP world size of 2 but the current world "
                                         "size is 1"), result["ds_load"]
@@ -170,7 +154,7 @@ def test_trainer_zero2_equals_zero0(trainer_runs, optim):
     assert zero2["distributor"] == "ZeroDistributor"
     assert zero2["step"] == zero0["step"] == 6
     assert zero2["losses"] == zero0["losses"]
-    assert_params_equal(zero2["params"], zero0["params"])
+    assert_bitwise(zero2["params"], zero0["params"])
 
 
 def test_trainer_zero2_resumes_exactly(trainer_runs):
@@ -181,4 +165,4 @@ def test_trainer_zero2_resumes_exactly(trainer_runs):
     assert resumed["step"] == 6
     for step in (4, 5, 6):
         assert resumed["losses"][step] == full["losses"][step]
-    assert_params_equal(resumed["params"], full["params"])
+    assert_bitwise(resumed["params"], full["params"])

@@ -17,7 +17,7 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.checkpoint import consolidate_checkpoint, load_sharded
 from hf_shampoo.distributors import block_cost, greedy_assignment
 from tests import distributed_worker as worker
-from tests.helpers import one_thread_per_process
+from tests.helpers import assert_bitwise, one_thread_per_process
 
 torch.set_num_threads(1)
 
@@ -40,10 +40,6 @@ def runs():
     return out
 
 
-def _assert_bitwise(got, expected):
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b), (a - b).abs().max()
 
 
 EXACT = [name for name in worker.SCENARIOS if name != "bf16_communication"]
@@ -55,7 +51,7 @@ def test_bit_identical_to_one_process(runs, world, scenario):
     expected, _ = worker.train(worker.SCENARIOS[scenario])
     for rank_result in runs[world]:
         assert rank_result[scenario]["kind"] == "DataParallelDistributor"
-        _assert_bitwise(rank_result[scenario]["params"], [p.detach() for p in expected])
+        assert_bitwise(rank_result[scenario]["params"], [p.detach() for p in expected])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -68,7 +64,7 @@ def test_bf16_communication_close_to_one_process(runs, world):
     # and the ranks agree with each other exactly
     first = runs[world][0]["bf16_communication"]["params"]
     for rank_result in runs[world][1:]:
-        _assert_bitwise(rank_result["bf16_communication"]["params"], first)
+        assert_bitwise(rank_result["bf16_communication"]["params"], first)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -88,7 +84,7 @@ def test_ranks_without_blocks_still_step(runs, world):
     numels = [r["one_block"]["state_numel"] for r in runs[world]]
     assert sorted(numels)[:-1] == [0] * (world - 1) and numels[0] > 0
     for rank_result in runs[world]:
-        _assert_bitwise(rank_result["one_block"]["params"], [p.detach() for p in expected])
+        assert_bitwise(rank_result["one_block"]["params"], [p.detach() for p in expected])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -118,10 +114,10 @@ def test_sharded_checkpoint_resumes_on_one_and_three_ranks(runs, name):
     config = worker.SCENARIOS[name]
     uninterrupted = runs[2][0][f"uninterrupted_{name}"]
     for rank_result in runs[2]:
-        _assert_bitwise(rank_result[f"uninterrupted_{name}"], uninterrupted)
+        assert_bitwise(rank_result[f"uninterrupted_{name}"], uninterrupted)
     # saved on 2 ranks, resumed on 3
     for rank_result in runs[3]:
-        _assert_bitwise(rank_result[f"resumed_{name}"], uninterrupted)
+        assert_bitwise(rank_result[f"resumed_{name}"], uninterrupted)
     # saved on 2 ranks, resumed in one process
     directory = os.path.join(runs["root"], "w2", f"sharded2_{name}")
     params = [torch.nn.Parameter(t) for t in
@@ -129,7 +125,7 @@ def test_sharded_checkpoint_resumes_on_one_and_three_ranks(runs, name):
     opt = worker.optimizer_for(params, config)
     load_sharded(opt, directory)
     worker.train(config, steps=3, params=params, optimizer=opt, first_step=4)
-    _assert_bitwise([p.detach() for p in params], uninterrupted)
+    assert_bitwise([p.detach() for p in params], uninterrupted)
 
 
 @pytest.mark.parametrize("name", worker.CHECKPOINTED)
@@ -142,7 +138,7 @@ def test_consolidated_checkpoint_file_resumes_in_one_process(runs, tmp_path, nam
     opt = worker.optimizer_for(params, config)
     opt.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
     worker.train(config, steps=3, params=params, optimizer=opt, first_step=4)
-    _assert_bitwise([p.detach() for p in params], runs[3][0][f"uninterrupted_{name}"])
+    assert_bitwise([p.detach() for p in params], runs[3][0][f"uninterrupted_{name}"])
 
 
 @pytest.mark.parametrize("scenario", ["ddp", "accelerate"])
@@ -151,7 +147,7 @@ def test_wrapped_models_stay_identical_across_ranks(runs, scenario):
         results = [r[scenario] for r in runs[world]]
         assert all(r["kind"] == "DataParallelDistributor" for r in results)
         for r in results[1:]:
-            _assert_bitwise(r["params"], results[0]["params"])
+            assert_bitwise(r["params"], results[0]["params"])
     # and match one process on the full batch up to all-reduce rounding
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -218,7 +214,7 @@ def test_frozen_parameters_get_no_blocks_and_state_and_unfreezing_adds_them():
         worker.set_grads(reference, step, no_grad={worker.FROZEN: range(1, worker.STEPS + 1),
                                                    1: range(1, worker.UNFROZEN_AT)})
         ref_opt.step()
-    _assert_bitwise([p.detach() for p in params], [p.detach() for p in reference])
+    assert_bitwise([p.detach() for p in params], [p.detach() for p in reference])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -226,6 +222,6 @@ def test_frozen_parameters_under_ddp_match_one_process(runs, world):
     expected, opt, blocks = worker.train_frozen(worker.SCENARIOS["shampoo_adam"])
     for rank_result in runs[world]:
         got = rank_result["frozen"]
-        _assert_bitwise(got["params"], [p.detach() for p in expected])
+        assert_bitwise(got["params"], [p.detach() for p in expected])
         assert got["blocks"] == blocks
         assert got["state"] == sorted(opt.state_dict()["state"])

@@ -20,11 +20,16 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.checkpoint import consolidate_checkpoint
 from tests import distributed_worker as ddp_worker
 from tests import parallel_worker as worker
-from tests.helpers import one_thread_per_process
+from tests.helpers import (
+    ROUNDED_COMMUNICATION,
+    assert_bitwise,
+    assert_rounded_runs_close_and_identical,
+    one_thread_per_process,
+)
 
 torch.set_num_threads(1)
 
-EXACT = [n for n in worker.SCENARIOS if n not in ("bf16_communication", "compute_cost_f64")]
+EXACT = [n for n in worker.SCENARIOS if n not in dict(ROUNDED_COMMUNICATION)]
 # every kind under TP alone and under FSDP2 x TP; a spread of kinds on the other meshes
 FEW = ["shampoo_adam", "muon", "schedule_free_soap", "diagonal_adam", "eigen_qr_4bit",
        "sign_descent_l1", "bf16_communication"]
@@ -61,10 +66,6 @@ def runs():
     return out
 
 
-def _assert_bitwise(got, expected):
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b), (a - b).abs().max()
 
 
 CASES = [(layout, name) for layout, scenarios, _ in CHAIN for name in scenarios
@@ -81,19 +82,13 @@ def test_bit_identical_to_one_process(runs, layout, scenario):
     expected = worker.train_one_process(worker.SCENARIOS[scenario])
     for rank_result in runs[layout]:
         assert rank_result[scenario]["kind"] == "ShardedDistributor"
-        _assert_bitwise(rank_result[scenario]["params"], expected)
+        assert_bitwise(rank_result[scenario]["params"], expected)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "tp2"])
 def test_rounded_communication_close_and_identical_across_ranks(runs, layout):
-    for scenario, atol in (("bf16_communication", 5e-4), ("compute_cost_f64", 1e-6)):
-        expected = worker.train_one_process(worker.SCENARIOS[scenario])
-        first = runs[layout][0][scenario]["params"]
-        for rank_result in runs[layout]:
-            got = rank_result[scenario]["params"]
-            for a, b in zip(got, expected):
-                torch.testing.assert_close(a, b, rtol=0, atol=atol)
-            _assert_bitwise(got, first)
+    assert_rounded_runs_close_and_identical(
+        runs[layout], lambda scenario: worker.train_one_process(worker.SCENARIOS[scenario]))
 
 
 def _one_process_state(scenario: str) -> tuple[int, int]:
@@ -141,7 +136,7 @@ def test_bytes_sent_are_those_the_layout_plans(runs, layout):
 def test_checkpoint_resumes_under_another_mesh(runs, layout, name):
     expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[layout]:
-        _assert_bitwise(rank_result[f"resumed_{name}"], expected)
+        assert_bitwise(rank_result[f"resumed_{name}"], expected)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "tp2"])
@@ -157,7 +152,7 @@ def test_one_process_resumes_the_consolidated_checkpoint(runs, layout, tmp_path)
         for p, g in zip(params, worker.sharded_worker.full_grads(step, worker.SHAPES)):
             p.grad = g
         opt.step()
-    _assert_bitwise([p.detach() for p in params],
+    assert_bitwise([p.detach() for p in params],
                     worker.train_one_process(config, steps=6))
 
 
@@ -166,20 +161,16 @@ def test_parallelize_module_and_fully_shard_with_backward(runs, layout):
     results = [r["model"] for r in runs[layout]]
     for r in results:
         assert r["kind"] == "ShardedDistributor"
-        _assert_bitwise(r["params"], results[0]["params"])
+        assert_bitwise(r["params"], results[0]["params"])
     assert any("Shard(dim=1)" in p for p in results[0]["placements"])  # rowwise weight
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    _assert_bitwise([p.detach() for p in model.parameters()], results[0]["initial"])
+    assert_bitwise([p.detach() for p in model.parameters()], results[0]["initial"])
     opt = DistributedShampoo(model.parameters(), **ddp_worker.WRAPPED_CONFIG)
     replicas = results[0]["replicas"]
     data = torch.Generator().manual_seed(7)
     x, y = torch.randn(4 * replicas, 6, generator=data), torch.randn(4 * replicas, 3,
                                                                       generator=data)
-    for _ in range(4):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-        opt.step()
+    ddp_worker.train_wrapped(model, opt, x, y)
     for got, want in zip(results[0]["params"], model.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)

@@ -33,20 +33,14 @@ says why, and what ``MULTI_CPU`` does instead).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests import transformers_tp_worker as worker
-from tests.helpers import one_thread_per_process
+from tests.helpers import one_thread_per_process, torchrun
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 HOWS = ["distcfg", "torch"]
 ATOL = 1e-6
 
@@ -128,16 +122,7 @@ OPTIMS = ["distributed_shampoo", "distributed_muon"]
 
 def _torchrun_worker(*args: str) -> None:
     """``transformers_tp_worker.py *args`` on 4 ranks under ``torch.distributed.run``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
-    # the worktree's hf_shampoo, not whichever copy the environment has installed
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", str(worker.WORLD),
-                           str(ROOT / "tests" / "transformers_tp_worker.py"), *args],
-                          cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun("transformers_tp_worker.py", list(args), worker.WORLD)
 
 
 @pytest.fixture(scope="module")

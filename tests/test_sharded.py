@@ -17,7 +17,12 @@ import torch.multiprocessing as mp
 
 from hf_shampoo import DistributedShampoo
 from tests import sharded_worker as worker
-from tests.helpers import one_thread_per_process
+from tests.helpers import (
+    ROUNDED_COMMUNICATION,
+    assert_bitwise,
+    assert_rounded_runs_close_and_identical,
+    one_thread_per_process,
+)
 
 torch.set_num_threads(1)
 MESHES = {"w2": (2, False, None), "w3": (3, False, "w2"), "hsdp": (4, True, "w3")}
@@ -45,13 +50,9 @@ def runs():
     return out
 
 
-def _assert_bitwise(got, expected):
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b), (a - b).abs().max()
 
 
-EXACT = [n for n in worker.SCENARIOS if n not in ("bf16_communication", "compute_cost_f64")]
+EXACT = [n for n in worker.SCENARIOS if n not in dict(ROUNDED_COMMUNICATION)]
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -60,21 +61,13 @@ def test_bit_identical_to_one_process(runs, mesh, scenario):
     expected = worker.train_one_process(worker.SCENARIOS[scenario])
     for rank_result in runs[mesh]:
         assert rank_result[scenario]["kind"] == "ShardedDistributor"
-        _assert_bitwise(rank_result[scenario]["params"], expected)
+        assert_bitwise(rank_result[scenario]["params"], expected)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_rounded_communication_close_and_identical_across_ranks(runs, mesh):
-    for scenario, atol in (("bf16_communication", 5e-4), ("compute_cost_f64", 1e-6)):
-        # bf16: each update rounded to 8 bits of mantissa; float64 factors: the float64
-        # update travels (and is applied) as float32, as under DDP
-        expected = worker.train_one_process(worker.SCENARIOS[scenario])
-        first = runs[mesh][0][scenario]["params"]
-        for rank_result in runs[mesh]:
-            got = rank_result[scenario]["params"]
-            for a, b in zip(got, expected):
-                torch.testing.assert_close(a, b, rtol=0, atol=atol)
-            _assert_bitwise(got, first)
+    assert_rounded_runs_close_and_identical(
+        runs[mesh], lambda scenario: worker.train_one_process(worker.SCENARIOS[scenario]))
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -105,7 +98,7 @@ def test_every_rank_moves_some_bytes_and_only_rows_it_lacks(runs, mesh):
 def test_saving_through_dcp_helpers_does_not_change_the_trajectory(runs, mesh, name):
     expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[mesh]:
-        _assert_bitwise(rank_result[f"dcp_uninterrupted_{name}"], expected)
+        assert_bitwise(rank_result[f"dcp_uninterrupted_{name}"], expected)
     keys = [set(r[f"saved_keys_{name}"]) for r in runs[mesh]]
     assert set().union(*keys) == {f"p{i}" for i in range(len(worker.SHAPES))}
 
@@ -115,7 +108,7 @@ def test_saving_through_dcp_helpers_does_not_change_the_trajectory(runs, mesh, n
 def test_sharded_checkpoint_resumes_at_another_world_size(runs, mesh, name):
     expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[mesh]:
-        _assert_bitwise(rank_result[f"dcp_resumed_{name}"], expected)
+        assert_bitwise(rank_result[f"dcp_resumed_{name}"], expected)
 
 
 @pytest.mark.parametrize("name", worker.CHECKPOINTED)
@@ -123,7 +116,7 @@ def test_sharded_checkpoint_resumes_at_another_world_size(runs, mesh, name):
 def test_full_state_dict_after_consolidation_round_trips(runs, mesh, name):
     expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[mesh]:
-        _assert_bitwise(rank_result[f"full_resumed_{name}"], expected)
+        assert_bitwise(rank_result[f"full_resumed_{name}"], expected)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -167,7 +160,7 @@ def test_local_mode_is_one_process_on_each_local_shard(runs, mesh):
                                         for k in range(1, shards)])[shard]
                 p.grad = None if g is None else g.clone()
             opt.step()
-        _assert_bitwise(rank_result["local_params"], [p.detach() for p in local_params])
+        assert_bitwise(rank_result["local_params"], [p.detach() for p in local_params])
         assert all(k.startswith(f"shard{shard}of{shards}.block_")
                    for k in rank_result["local_state_keys"])
 
@@ -180,21 +173,17 @@ def test_fully_shard_model_with_backward_and_clipping(runs, mesh):
     world = len(results)
     for r in results:
         assert r["kind"] == "ShardedDistributor"
-        _assert_bitwise(r["params"], results[0]["params"])
+        assert_bitwise(r["params"], results[0]["params"])
     # one process on the whole batch (the ranks' equal-size shards average to it)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
-    _assert_bitwise([p.detach() for p in model.parameters()], results[0]["initial"])
+    assert_bitwise([p.detach() for p in model.parameters()], results[0]["initial"])
     opt = DistributedShampoo(model.parameters(), **WRAPPED_CONFIG)
     data = torch.Generator().manual_seed(7)
     x, y = torch.randn(4 * world, 6, generator=data), torch.randn(4 * world, 3, generator=data)
     replicas = 2 if mesh == "hsdp" else 1
     del replicas  # HSDP averages over replicas too: the same full batch
-    for _ in range(4):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-        opt.step()
+    worker.ddp_worker.train_wrapped(model, opt, x, y)
     for got, want in zip(results[0]["params"], model.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
 
@@ -305,6 +294,6 @@ def test_frozen_parameters_sharded_match_one_process(runs, mesh):
             for p, g in zip(params, worker.full_grads(step, no_grad=no_grad))])
     for rank_result in runs[mesh]:
         got = rank_result["frozen"]
-        _assert_bitwise(got["params"], [p.detach() for p in expected])
+        assert_bitwise(got["params"], [p.detach() for p in expected])
         assert got["blocks"] == blocks and not frozen & set(blocks[-1])
         assert got["state"] == sorted(opt.state_dict()["state"])

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hf_shampoo import make_optimizer
+from tests.helpers import join_gloo_world
 
 WORLD = 4
 # float64, so that the reductions' different rounding (tensor-parallel partial sums, FSDP's
@@ -123,12 +124,7 @@ def train_one_process(path: str, name: str) -> dict:
 
 
 def run_world(rank: int, path: str, init_file: str, out_dir: str, hows: list[str]) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+    join_gloo_world(rank, WORLD, init_file)
     results: dict = {}
     try:
         for how in hows:
