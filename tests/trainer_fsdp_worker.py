@@ -82,6 +82,10 @@ def main(out: str, state_dict_type: str, device: str = "cpu") -> None:
                 "param_devices": sorted({str(p.device) for p in a.model.parameters()}),
                 "backend": dist.get_backend(),
             }, f)
+    # leave the group before the interpreter ends: its threads, still running at exit,
+    # were seen to abort a rank ("terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
