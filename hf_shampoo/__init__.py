@@ -4,19 +4,22 @@
 preset=...)`` builds it with per-module rules (``preset="muon"``: Muon on hidden matrices,
 Adam elsewhere) and ``describe(optimizer)`` shows what each parameter got;
 ``ShampooNumericalError`` is raised when a gradient or a factor matrix is not finite or an
-eigendecomposition keeps failing.
+eigendecomposition keeps failing; ``CheckpointError`` when a checkpoint is missing, cut short
+or damaged (which checkpoint, which file, what to do).
 Importing the package registers the optimizer with transformers
 (``TrainingArguments(optim="distributed_shampoo")`` and ``optim="distributed_muon"``) and
 timm (``opt="shampoo"``) as soon as those libraries load, without importing either itself.
 """
 
+from .checkpoint.integrity import CheckpointError
 from .integrations.modules import describe, make_optimizer
 from .integrations.timm import register_on_import as _register_timm
 from .integrations.transformers import register_on_import as _register_transformers
 from .optimizer import DistributedShampoo
 from .stack import ShampooNumericalError
 
-__all__ = ["DistributedShampoo", "ShampooNumericalError", "describe", "make_optimizer"]
+__all__ = ["CheckpointError", "DistributedShampoo", "ShampooNumericalError", "describe",
+           "make_optimizer"]
 __version__ = "0.1.0"
 
 _register_timm()  # timm: opt="shampoo" / "soap" as soon as timm.optim is imported

@@ -5,18 +5,23 @@ depend on the world size); ``consolidate`` gathers every rank's blocks onto the 
 saves (the Trainer and Accelerate); ``dcp`` writes and reads the same layout sharded with
 ``torch.distributed.checkpoint``, resumable at any world size. ``save_sharded``,
 ``load_sharded`` and ``consolidate_checkpoint`` are importable from here; ``dcp`` (and
-torch's DCP with it) is imported on first use, not by ``import hf_shampoo``.
+torch's DCP with it) is imported on first use, not by ``import hf_shampoo``. ``integrity``
+tells a whole checkpoint from one cut short and raises ``CheckpointError`` (also
+``hf_shampoo.CheckpointError``) for one that cannot be loaded.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["consolidate_checkpoint", "load_sharded", "save_sharded"]
+from .integrity import CheckpointError
+
+_DCP = ("consolidate_checkpoint", "load_sharded", "save_sharded")
+__all__ = ["CheckpointError", *_DCP]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in _DCP:
         from . import dcp
 
         return getattr(dcp, name)

@@ -8,6 +8,12 @@ the world size). ``consolidate_checkpoint`` turns such a directory into one ordi
 ``torch.save`` file that ``load_state_dict`` accepts anywhere.
 
 The flat key layout is ``"state.{param_index}.block_{b}.{name}"`` plus ``"param_groups"``.
+
+Before reading, the directory is checked against its ``.metadata`` (DCP writes it last, once
+every rank has written): a missing directory, a save cut short (no ``.metadata``) and a shard
+file that is missing or shorter than the metadata says each raise ``integrity.CheckpointError``
+naming the checkpoint and the file, before anything is loaded; every rank checks every file, so
+all ranks refuse together.
 """
 
 from __future__ import annotations
@@ -15,11 +21,15 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from .integrity import DCP_METADATA, CheckpointError
 
 GROUPS_KEY = "param_groups"
 
@@ -59,17 +69,59 @@ def save_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
     dcp.save(flatten(optimizer.local_state_dict()), checkpoint_id=os.fspath(checkpoint_dir))
 
 
+def read_checked_metadata(checkpoint_dir: str | os.PathLike):
+    """The DCP metadata of ``checkpoint_dir``, once every file it refers to is there and long
+    enough; ``CheckpointError`` (naming the file) otherwise."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise CheckpointError(root, "there is no such directory")
+    if not (root / DCP_METADATA).is_file():
+        raise CheckpointError(
+            root, f"it has no {DCP_METADATA}, which torch.distributed.checkpoint writes last, "
+            "once every rank has written its shards: its save was cut short",
+            file=root / DCP_METADATA)
+    try:
+        metadata = dcp.FileSystemReader(os.fspath(root)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any unreadable metadata is the same fault
+        raise CheckpointError(root, f"its {DCP_METADATA} cannot be read ({error})",
+                              file=root / DCP_METADATA) from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(root, "the shard file is missing", file=path)
+        if path.stat().st_size < end:
+            raise CheckpointError(
+                root, f"the shard file has {path.stat().st_size} bytes where the metadata "
+                f"needs {end}: it was cut short", file=path)
+    return metadata
+
+
+def _read(checkpoint_dir: str | os.PathLike, template: dict[str, Any]) -> None:
+    """``dcp.load`` with its ``CheckpointException`` (a ``BaseException``) as ours."""
+    try:
+        dcp.load(template, checkpoint_id=os.fspath(checkpoint_dir))
+    except CheckpointException as error:
+        reasons = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
+                            for rank, (exc, _) in sorted(error.failures.items()))
+        raise CheckpointError(checkpoint_dir, f"reading it failed ({reasons})") from None
+
+
 def load_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
-    """Every rank reads the blocks it owns now (a collective), at any world size."""
-    reader = dcp.FileSystemReader(os.fspath(checkpoint_dir))
-    saved = reader.read_metadata().state_dict_metadata
+    """Every rank reads the blocks it owns now (a collective), at any world size. A missing,
+    cut-short or damaged checkpoint raises ``CheckpointError`` on every rank before anything
+    is loaded."""
+    saved = read_checked_metadata(checkpoint_dir).state_dict_metadata
     template: dict[str, Any] = {GROUPS_KEY: b""}
     for key in optimizer.owned_state_keys():
         flat_key = f"state.{key[0]}.{key[1]}"
         meta = saved.get(flat_key)
         if meta is not None:
             template[flat_key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(template, checkpoint_id=os.fspath(checkpoint_dir))
+    _read(checkpoint_dir, template)
     optimizer.load_state_dict(unflatten(template))
 
 
@@ -79,8 +131,12 @@ def consolidate_checkpoint(
     """Write every rank's blocks of a sharded checkpoint into one ``torch.save`` file
     (no process group needed); ``optimizer.load_state_dict(torch.load(output_file))``
     then works in one process or on every rank of any world size."""
+    read_checked_metadata(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:
         flat_file = os.path.join(tmp, "flat.pt")
-        dcp_to_torch_save(os.fspath(checkpoint_dir), flat_file)
+        try:
+            dcp_to_torch_save(os.fspath(checkpoint_dir), flat_file)
+        except CheckpointException as error:
+            raise CheckpointError(checkpoint_dir, f"reading it failed ({error})") from None
         flat = torch.load(flat_file, weights_only=True)
     torch.save(unflatten(flat), os.fspath(output_file))

@@ -1,0 +1,133 @@
+"""Whether a checkpoint directory is whole (docs/checkpoints.md, "Faults"): the error type a
+person can act on, and the completion mark that tells a whole checkpoint from one whose save
+was cut short.
+
+A checkpoint is whole once every rank has written its part. The tools mark that in their own
+ways: torch's DCP writes ``.metadata`` last, after every rank's shards; the HF Trainer writes
+``trainer_state.json`` last (rank 0, after the model, optimizer, scheduler and its own RNG
+state); Accelerate marks nothing, so ``integrations.accelerate.save_state`` writes
+``COMPLETE_MARK`` once every rank is done. ``CheckpointError`` says which checkpoint, which
+file, what is wrong with it and what to do (resume from the previous checkpoint); it is an
+``Exception`` (torch's own ``CheckpointException`` is a ``BaseException``, which ``except
+Exception`` misses) and a ``ValueError``, as the refusals of ``load_state_dict`` are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+COMPLETE_MARK = "hf_shampoo_complete.json"
+TRAINER_STATE = "trainer_state.json"  # what the HF Trainer writes last
+DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint writes last
+
+ADVICE = "resume from the previous complete checkpoint instead (this one is left as it is)"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is: missing, cut short or damaged.
+
+    ``checkpoint`` is the directory, ``file`` the file at fault (None when the whole
+    directory is); nothing has been loaded when it is raised.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike, problem: str,
+                 file: str | os.PathLike | None = None, advice: str = ADVICE) -> None:
+        self.checkpoint = os.fspath(checkpoint)
+        self.file = None if file is None else os.fspath(file)
+        where = f"checkpoint {self.checkpoint!r}"
+        if self.file is not None:
+            where += f", file {self.file!r}"
+        super().__init__(f"hf_shampoo: {where}: {problem}; {advice}")
+
+
+def mark_complete(checkpoint: str | os.PathLike) -> Path:
+    """Write ``COMPLETE_MARK`` into ``checkpoint``: the size of every file in it, written to a
+    temporary name and renamed (so the mark itself is never half-written). Call it on one
+    process, after every rank has finished writing. Returns the mark's path."""
+    root = Path(checkpoint)
+    sizes = {str(p.relative_to(root)): p.stat().st_size
+             for p in sorted(root.rglob("*")) if p.is_file() and p.name != COMPLETE_MARK}
+    mark = root / COMPLETE_MARK
+    partial = root / (COMPLETE_MARK + ".partial")
+    partial.write_text(json.dumps({"files": sizes}, indent=1, sort_keys=True))
+    os.replace(partial, mark)
+    return mark
+
+
+def check_marked(checkpoint: str | os.PathLike) -> None:
+    """Raise ``CheckpointError`` unless ``checkpoint`` holds a ``COMPLETE_MARK`` and every
+    file it lists is there with the size it had when the mark was written."""
+    root = Path(checkpoint)
+    if not root.is_dir():
+        raise CheckpointError(root, "there is no such directory")
+    mark = root / COMPLETE_MARK
+    if not mark.is_file():
+        raise CheckpointError(
+            root, f"it has no {COMPLETE_MARK}, which is written once every rank has finished "
+            "saving: its save was cut short (or it was not written by "
+            "hf_shampoo.integrations.accelerate.save_state)")
+    try:
+        files = json.loads(mark.read_text())["files"]
+    except (ValueError, KeyError) as error:
+        raise CheckpointError(root, f"its {COMPLETE_MARK} cannot be read ({error})",
+                              file=mark) from None
+    for name, size in files.items():
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(root, "the file is missing", file=path)
+        if path.stat().st_size != size:
+            raise CheckpointError(
+                root, f"the file has {path.stat().st_size} bytes where {size} were written: "
+                "it was cut short or changed after the save", file=path)
+
+
+def is_marked(checkpoint: str | os.PathLike) -> bool:
+    """Whether ``check_marked(checkpoint)`` passes."""
+    try:
+        check_marked(checkpoint)
+    except CheckpointError:
+        return False
+    return True
+
+
+def trainer_checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
+    """Why the Trainer could not resume from ``checkpoint``, or None when it can: its
+    ``trainer_state.json`` (written last) is missing, or a ``COMPLETE_MARK`` in it does not
+    match its files."""
+    root = Path(checkpoint)
+    if not (root / TRAINER_STATE).is_file():
+        return (f"it has no {TRAINER_STATE}, which the Trainer writes last: its save was cut "
+                "short")
+    if (root / COMPLETE_MARK).exists():
+        try:
+            check_marked(root)
+        except CheckpointError as error:
+            return str(error).split(": ", 1)[-1]
+    return None
+
+
+def newest_complete(parent: str | os.PathLike, pattern: str = r"checkpoint[-_](\d+)",
+                    ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest directory under ``parent`` whose name matches ``pattern`` (its number
+    orders them) and that holds a valid ``COMPLETE_MARK``; and the newer ones passed over,
+    each with why. ``(None, skipped)`` when none is complete."""
+    root = Path(parent)
+    if not root.is_dir():
+        return None, []
+    numbered = []
+    for path in root.iterdir():
+        found = re.fullmatch(pattern, path.name)
+        if found and path.is_dir():
+            numbered.append((int(found.group(1)), path))
+    skipped: list[tuple[Path, str]] = []
+    for _, path in sorted(numbered, reverse=True):
+        try:
+            check_marked(path)
+        except CheckpointError as error:
+            skipped.append((path, str(error)))
+            continue
+        return path, skipped
+    return None, skipped
