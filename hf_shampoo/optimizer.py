@@ -116,7 +116,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                 defaults[key] = tuple(defaults[key])
         validate_group(defaults)
         self._layout: Layout | None = None
-        self._consolidated: dict[str, Any] | None = None
+        self._consolidated: dict[str, Any] | None = None  # the full state, on a destination
+        self._gathered = False  # on every rank: consolidated since the last change
         self._workspace = Workspace()
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
@@ -444,7 +445,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         layout = self._ensure_layout()
-        self._consolidated = None
+        self._forget_consolidation()
         distributor, groups = self._distributor, self.param_groups
         if distributor.needs_reallocation(layout.stacks):
             distributor.allocate_directions(layout.stacks)
@@ -524,7 +525,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 if k is not None:
                     offset.mul_(k)
             distributor.apply_outside_step(layout, moving)
-            self._consolidated = None
+            self._forget_consolidation()
         self._mark_mode(to_train)
 
     def _mark_mode(self, to_train: bool) -> None:
@@ -550,13 +551,24 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state in torch's layout; never communicates (docs/design.md §6).
+        """This rank's optimizer state in torch's layout (docs/design.md §6).
 
         After ``consolidate_state_dict(to=r)``, rank ``r`` returns the state of every
-        rank's blocks instead, until the next ``step()``. The hooks registered with
-        ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch's ``Optimizer``.
+        rank's blocks instead, until the next ``step()``. It never communicates, except
+        when called by ``accelerator.save_state()``, which every rank calls and which writes
+        what the main process's ``state_dict()`` returns: there, an optimizer whose blocks
+        are spread over the ranks gathers them first (``consolidate_state_dict``; onto every
+        rank with ``save_on_each_node``), so that the file holds every block. The hooks
+        registered with ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch's
+        ``Optimizer``.
         """
         with self._own_view():
+            if not self._gathered:
+                from .integrations.accelerate import ranks_accelerate_saves_on
+
+                ranks = ranks_accelerate_saves_on()
+                if ranks is not False:
+                    self._consolidate_state_dict(ranks)
             return self._full_state_dict()
 
     def _full_state_dict(self) -> dict[str, Any]:
@@ -621,11 +633,16 @@ class DistributedShampoo(torch.optim.Optimizer):
             return self._consolidate_state_dict(to)
 
     def _consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
-        self._consolidated = None
+        self._forget_consolidation()
         self._ensure_layout()
         if not self._distributor.is_sharded_state:
             return
         self._consolidated = gather_state(self.local_state_dict(), to)
+        self._gathered = True
+
+    def _forget_consolidation(self) -> None:
+        """The state changed (a step, a load): a consolidated copy no longer holds."""
+        self._consolidated, self._gathered = None, False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
@@ -665,7 +682,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             for saved_id, entries in tools.items():
                 if position.get(saved_id, len(params)) < len(params):
                     self.state[params[position[saved_id]]].update(entries)
-        self._consolidated = None
+        self._forget_consolidation()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -689,6 +706,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._constructed = [list(group["params"]) for group in self.param_groups]
         self._zero, self._in_own_view, self._checked = None, False, []
         self._layout, self._consolidated, self._distributor = None, None, None
+        self._gathered = False
         self._workspace, self._schedules = Workspace(), {}
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)

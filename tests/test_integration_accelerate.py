@@ -241,11 +241,17 @@ WORKER = textwrap.dedent(
 
     acc = Accelerator(cpu=True)
     model, optimizer = make(acc)
-    register_checkpoint_hook(acc, optimizer)
     losses_a = train(acc, model, optimizer, range(1, 4))
-    acc.save_state(os.path.join(out, "step3"))  # the hook consolidates
-    losses_a += train(acc, model, optimizer, range(4, 7))
-    save_state(acc, os.path.join(out, "step6"))  # the helper consolidates
+    acc.save_state(os.path.join(out, "step3"))  # plain: the optimizer gathers by itself
+    losses_a += train(acc, model, optimizer, range(4, 6))
+    inner = find_shampoo(optimizer)
+    local = sorted({(int(i), k.split(".")[0]) for i, e in inner.state_dict()["state"].items()
+                    for k in e})  # outside save_state, state_dict() stays this rank's own
+    handle = register_checkpoint_hook(acc, optimizer)
+    acc.save_state(os.path.join(out, "step5"))  # the hook (earlier versions) still works
+    handle.remove()
+    losses_a += train(acc, model, optimizer, range(6, 7))
+    save_state(acc, os.path.join(out, "step6"))  # the helper: complete, and marked so
     params_a = [p.detach().clone() for p in model.parameters()]
     table = describe(optimizer)
 
@@ -262,7 +268,11 @@ WORKER = textwrap.dedent(
                 "ranks": sorted({b["rank"] for b in blocks}),
                 "blocks": sorted({(b["param_index"], f"block_{b['block']}") for b in blocks}),
                 "saved3": saved_blocks(os.path.join(out, "step3", "optimizer.bin")),
+                "saved5": saved_blocks(os.path.join(out, "step5", "optimizer.bin")),
                 "saved6": saved_blocks(os.path.join(out, "step6", "optimizer.bin")),
+                "marked": [os.path.exists(os.path.join(out, s, "hf_shampoo_complete.json"))
+                           for s in ("step3", "step6")],
+                "local": local,
                 "losses_a": losses_a,
                 "losses_b": losses_b,
                 "params_equal": same,
@@ -289,7 +299,11 @@ def test_two_ranks_save_state_load_state_resumes_exactly(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world_size"] == 2 and result["ranks"] == [0, 1]  # from Accelerate's state
-    assert result["saved3"] == result["blocks"] and result["saved6"] == result["blocks"]
+    # every save holds every block: the plain accelerator.save_state too
+    for saved in ("saved3", "saved5", "saved6"):
+        assert result[saved] == result["blocks"], saved
+    assert result["local"] != result["blocks"]  # ...which rank 0 alone does not hold
+    assert result["marked"] == [False, True]  # only the helper marks a checkpoint complete
     assert result["losses_b"] == result["losses_a"][3:]
     assert result["params_equal"]
     assert result["losses_a"][-1] < result["losses_a"][0]

@@ -1,13 +1,15 @@
 """Accelerate adapter: checkpoints of a sharded ``DistributedShampoo`` under ``Accelerator``.
 
 Under data parallelism every rank holds the state of its own blocks only, and
-``accelerator.save_state`` writes the optimizer from the main process (DDP, and FSDP2 with
-a full state dict). So before it saves, every rank must call ``consolidate_state_dict()``
-(a collective); then the main process's ``state_dict()`` holds every block. (FSDP2 with a
-sharded state dict needs nothing: every rank writes its own blocks.) Either call
-``save_state(accelerator, output_dir)`` instead of ``accelerator.save_state(output_dir)``,
-or register the consolidation once with ``register_checkpoint_hook(accelerator,
-optimizer)``. ``accelerator.load_state`` needs nothing: every rank loads the full file
+``accelerator.save_state`` writes the optimizer from the main process. It calls
+``optimizer.state_dict()`` on every rank first, and the optimizer recognises that call
+(``ranks_accelerate_saves_on``): there it gathers every rank's blocks onto the ranks that
+write, so a plain ``accelerator.save_state()`` writes a complete ``optimizer.bin``.
+``save_state(accelerator, output_dir)`` does the same and then marks the directory complete
+(``checkpoint.integrity.COMPLETE_MARK``) once every rank has written its part;
+``load_state(accelerator, input_dir)`` refuses a directory without that mark, or whose files
+changed since, with a ``CheckpointError``; ``latest_checkpoint(parent)`` finds the newest
+complete one. ``accelerator.load_state`` needs nothing: every rank loads the full file
 (``weights_only=True``) and keeps the blocks it owns, at any world size.
 
 Everything else works as is: rank and world size come from Accelerate's process state,
@@ -17,9 +19,12 @@ fp16 ``GradScaler`` skips never reaches the optimizer. Accelerate is imported on
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from ..checkpoint.integrity import check_marked, mark_complete, newest_complete
 from ..optimizer import DistributedShampoo
 
 _MAX_WRAPPERS = 8  # AcceleratedOptimizer, smp / deepspeed wrappers, user wrappers
@@ -35,6 +40,23 @@ def find_shampoo(optimizer: Any) -> DistributedShampoo | None:
         if optimizer is None:
             return None
     return None
+
+
+def ranks_accelerate_saves_on() -> list[int] | None | bool:
+    """Inside Accelerate's ``save_accelerator_state`` (which every rank runs during
+    ``accelerator.save_state``), the ranks that write its files: ``[0]``, or ``None`` (every
+    rank) with ``save_on_each_node``. ``False`` anywhere else. Looks only at the calling
+    frames, and only when Accelerate's checkpointing module is loaded."""
+    module = sys.modules.get("accelerate.checkpointing")
+    code = getattr(getattr(module, "save_accelerator_state", None), "__code__", None)
+    if code is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return None if frame.f_locals.get("save_on_each_node") else [0]
+        frame = frame.f_back
+    return False
 
 
 def consolidate(optimizers: Any | Iterable[Any], to: int | Iterable[int] | None = 0) -> int:
@@ -69,14 +91,49 @@ def save_state(
     optimizers: Iterable[Any] | None = None,
     **kwargs: Any,
 ) -> str:
-    """``accelerator.save_state(output_dir, **kwargs)`` with every Shampoo's state complete.
+    """``accelerator.save_state(output_dir, **kwargs)`` with every Shampoo's state complete,
+    then the directory marked complete once every rank has written (``COMPLETE_MARK``, written
+    by the main process; by each node's main process with ``save_on_each_node``).
 
     Call it on every rank (as ``accelerator.save_state`` itself). ``optimizers`` defaults to
     those ``accelerator.prepare`` returned. Returns the directory written.
     """
     found = _accelerator_optimizers(accelerator) if optimizers is None else list(optimizers)
-    consolidate(found, to=0)
-    return accelerator.save_state(output_dir, **kwargs)
+    consolidate(found, to=None if _saves_on_each_node(accelerator) else 0)
+    written = accelerator.save_state(output_dir, **kwargs)
+    accelerator.wait_for_everyone()
+    writes = (accelerator.is_local_main_process if _saves_on_each_node(accelerator)
+              else accelerator.is_main_process)
+    if writes:
+        mark_complete(written)
+    accelerator.wait_for_everyone()
+    return written
+
+
+def _saves_on_each_node(accelerator: Any) -> bool:
+    return bool(getattr(getattr(accelerator, "project_configuration", None),
+                        "save_on_each_node", False))
+
+
+def latest_checkpoint(parent: str | Path) -> Path | None:
+    """The newest complete checkpoint directory under ``parent`` (``checkpoint_N`` as
+    Accelerate's automatic naming writes, or ``checkpoint-N``), passing over, with a
+    warning each, newer ones whose save was cut short; None when there is none."""
+    import warnings
+
+    found, skipped = newest_complete(parent)
+    for path, why in skipped:
+        warnings.warn(f"hf_shampoo: passing over {path}: {why}", stacklevel=2)
+    return found
+
+
+def load_state(accelerator: Any, input_dir: str | Path, **kwargs: Any) -> None:
+    """``accelerator.load_state(input_dir, **kwargs)`` once ``input_dir`` is known complete:
+    a directory that ``save_state`` did not finish marking, or whose files changed since,
+    raises ``CheckpointError`` (which file, what to do) before anything is loaded. Call it
+    on every rank."""
+    check_marked(input_dir)
+    accelerator.load_state(str(input_dir), **kwargs)
 
 
 class _SaveStateHandle:
@@ -97,7 +154,8 @@ def register_checkpoint_hook(accelerator: Any, *optimizers: Any) -> _SaveStateHa
     Accelerate's own ``register_save_state_pre_hook`` runs after an FSDP optimizer has
     been written, too late for a full state dict, so this wraps the accelerator's
     ``save_state`` instead (this accelerator only). Returns a handle whose ``remove()``
-    undoes it.
+    undoes it. (A plain ``accelerator.save_state()`` now writes a complete optimizer state
+    by itself; this remains for code written against earlier versions.)
     """
     if not optimizers:
         raise ValueError("register_checkpoint_hook: pass the optimizer(s) to consolidate")
