@@ -1,9 +1,12 @@
 """Registration by name: ``optim="distributed_shampoo"`` / ``"distributed_muon"`` in
 transformers' ``OptimizerNames``, its optimizer handlers (5.x) or
 ``Trainer.get_optimizer_cls_and_kwargs`` (4.x), and ``ShampooCheckpointCallback`` among the
-Trainer's default callbacks. The only module that touches transformers' internals, so it
-is guarded by version; ``register_on_import()`` (what ``import hf_shampoo`` calls) patches
-transformers' modules right after they load, never importing transformers itself.
+Trainer's default callbacks; and ``get_last_checkpoint`` (what ``resume_from_checkpoint=True``
+and the example scripts use) passes over a ``checkpoint-N`` whose save was cut short, with a
+warning, for the newest one the Trainer can resume. The only module that touches
+transformers' internals, so it is guarded by version; ``register_on_import()`` (what
+``import hf_shampoo`` calls) patches transformers' modules right after they load, never
+importing transformers itself.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ...checkpoint.integrity import trainer_checkpoint_problem
 from .arguments import MUON_NAME, OPTIMIZER_NAME, OPTIMIZER_NAMES, optimizer_cls_and_kwargs
 from .trainer import classes, uses_shampoo
 
@@ -86,7 +91,41 @@ def _patch_trainer_optimizer(module: Any) -> None:
         handlers.setdefault(_add_enum_member(names, member_name, name), _handler)
 
 
+def _resumable(original: Callable[[str], str | None], pattern: Any) -> Callable:
+    """``get_last_checkpoint`` that passes over checkpoints the Trainer cannot resume."""
+    if getattr(original, "_hf_shampoo", False):
+        return original
+
+    def get_last_checkpoint(folder):
+        newest = original(folder)
+        if newest is None or trainer_checkpoint_problem(newest) is None:
+            return newest
+        numbered = sorted(
+            (int(pattern.search(name).groups()[0]), name) for name in os.listdir(folder)
+            if pattern.search(name) is not None and os.path.isdir(os.path.join(folder, name)))
+        for _, name in reversed(numbered):
+            path = os.path.join(folder, name)
+            problem = trainer_checkpoint_problem(path)
+            if problem is None:
+                return path
+            warnings.warn(f"hf_shampoo: not resuming from {path}: {problem}; the newest "
+                          "complete checkpoint before it is used instead", stacklevel=2)
+        return None
+
+    get_last_checkpoint._hf_shampoo = True
+    get_last_checkpoint.__doc__ = original.__doc__
+    return get_last_checkpoint
+
+
+def _patch_trainer_utils(module: Any) -> None:
+    module.get_last_checkpoint = _resumable(module.get_last_checkpoint, module._re_checkpoint)
+
+
 def _patch_trainer(module: Any) -> None:
+    if hasattr(module, "get_last_checkpoint"):  # bound by name when trainer.py was imported
+        utils = importlib.import_module("transformers.trainer_utils")
+        _apply("transformers.trainer_utils", utils)
+        module.get_last_checkpoint = utils.get_last_checkpoint
     callback = classes()["ShampooCheckpointCallback"]
     if callback not in module.DEFAULT_CALLBACKS:
         module.DEFAULT_CALLBACKS.append(callback)
@@ -111,6 +150,7 @@ def _patch_trainer(module: Any) -> None:
 
 
 _PATCHES: dict[str, Callable[[Any], None]] = {
+    "transformers.trainer_utils": _patch_trainer_utils,
     "transformers.training_args": _patch_training_args,
     "transformers.trainer_optimizer": _patch_trainer_optimizer,
     "transformers.trainer": _patch_trainer,
