@@ -343,3 +343,18 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def ddp_one_process(world: int) -> list[torch.Tensor]:
+    """What ``_ddp_scenario`` on ``world`` ranks approximates: one process on the whole
+    batch (the ranks' equal shards average to it, up to all-reduce rounding)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = DistributedShampoo(model.parameters(), **WRAPPED_CONFIG)
+    data = torch.Generator().manual_seed(7)
+    x, y = torch.randn(12 * world, 6, generator=data), torch.randn(12 * world, 2, generator=data)
+    for _ in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]

@@ -94,22 +94,86 @@ def run_against_reference(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(script: str, args: list[str], nproc: int, timeout: int = 300,
-             **env_extra: str) -> None:
-    """``tests/<script> args`` under ``torchrun --nproc_per_node nproc`` in a fresh
-    environment: no rank variables another test may have left, one thread per rank, this
-    checkout first on the path (not whichever copy the environment installed), and
-    ``env_extra``; fails the test with the output's tail unless every rank succeeds."""
+def launcher_env(**env_extra: str) -> dict[str, str]:
+    """The environment of a test's launcher: no rank variables another test may have left,
+    one thread per rank, this checkout first on the path (not whichever copy the
+    environment installed), and ``env_extra``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
                **env_extra)
+    return env
+
+
+def torchrun(script: str, args: list[str], nproc: int, timeout: int = 300,
+             **env_extra: str) -> None:
+    """``tests/<script> args`` under ``torchrun --nproc_per_node nproc`` in a fresh
+    environment (``launcher_env``); fails the test with the output's tail unless every
+    rank succeeds."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", str(nproc), str(ROOT / "tests" / script), *args],
-                          cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
+                          cwd=ROOT, env=launcher_env(**env_extra), timeout=timeout,
+                          capture_output=True, text=True)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (the kernel's pick)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_nodes(script: str, args: list[str], nnodes: int, nproc: int, log_dir,
+                   rendezvous: str = "c10d", timeout: int = 300) -> None:
+    """``tests/<script> args`` on ``nnodes`` simulated machines: one ``torchrun --nnodes
+    nnodes --nproc_per_node nproc`` per node R, all at once on this machine, meeting on
+    127.0.0.1 through the ``c10d`` rendezvous (a fresh port and ``--rdzv-id``; torch
+    numbers the nodes itself) or the ``static`` one (``--node-rank R --master-addr
+    --master-port``; ``GROUP_RANK`` is then R). Each launcher's workers see
+    ``HF_SHAMPOO_TEST_NODE=R``, its output goes to ``log_dir/node{R}.log``. Fails the
+    test with the logs' tails unless every launcher succeeds in ``timeout`` seconds; once
+    one fails or time is up, the others are killed with their workers."""
+    import signal
+    import time
+    import uuid
+
+    port, log_dir = free_port(), Path(log_dir)
+    if rendezvous == "c10d":
+        meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", uuid.uuid4().hex]
+    else:
+        meet = ["--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+                "--master-port", str(port)]
+    launchers, logs = [], []
+    for node in range(nnodes):
+        logs.append(log_dir / f"node{node}.log")
+        node_rank = ["--node-rank", str(node)] if rendezvous == "static" else []
+        with open(logs[-1], "w") as log:
+            launchers.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                 *node_rank, "--nproc_per_node", str(nproc), *meet,
+                 "--local-addr", "127.0.0.1", str(ROOT / "tests" / script), *args],
+                cwd=ROOT, env=launcher_env(HF_SHAMPOO_TEST_NODE=str(node)), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+    deadline, codes = time.monotonic() + timeout, [None] * nnodes
+    try:  # until all succeed, one fails (the others would wait for it) or time is up
+        while None in codes and not any(codes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            codes = [launcher.poll() for launcher in launchers]
+    finally:
+        for launcher in launchers:  # each launcher with its workers (its own session)
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+    tails = "\n".join(f"--- node {node} ({log.name}):\n{log.read_text()[-3000:]}"
+                      for node, log in enumerate(logs))
+    assert any(codes) or None not in codes, f"not done after {timeout} s\n{tails}"
+    assert codes == [0] * nnodes, f"exit codes {codes} (None: killed)\n{tails}"
 
 
 def join_gloo_world(rank: int, world: int, init_file: str) -> None:

@@ -269,6 +269,20 @@ def _fully_shard_model(mesh, results: dict) -> None:
                         "initial": reference, "kind": type(opt._distributor).__name__}
 
 
+def fully_shard_one_process(world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What ``_fully_shard_model`` on ``world`` ranks approximates: (initial parameters,
+    parameters after one process trained on the whole batch; FSDP2 and HSDP average the
+    ranks' equal shards to it, up to reduce-scatter rounding)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    initial = [p.detach().clone() for p in model.parameters()]
+    opt = DistributedShampoo(model.parameters(), **ddp_worker.WRAPPED_CONFIG)
+    data = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4 * world, 6, generator=data), torch.randn(4 * world, 3, generator=data)
+    ddp_worker.train_wrapped(model, opt, x, y)
+    return initial, [p.detach() for p in model.parameters()]
+
+
 def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: str | None,
               hsdp: bool = False):
     join_gloo_world(rank, world, init_file)

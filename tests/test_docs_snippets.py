@@ -17,6 +17,9 @@ Rules, by the fence's language tag:
   "more arguments" and is ignored). Known commands, and what is checked:
 
   - ``make TARGET``: the target is defined in the Makefile;
+  - ``export NAME=VALUE``: an assignment (the value, maybe a ``$(...)``, is not checked);
+  - ``srun [--option=value ...] COMMAND`` (SLURM's launcher, written with ``=``) and
+    ``bash -c "COMMAND"``: COMMAND is checked as a line of its own;
   - ``pip install``: every extra named as ``.[extra]`` (also in the line's comment) is an
     optional-dependency group of pyproject.toml;
   - ``python SCRIPT ARGS`` (also ``.venv/bin/python``), ``python -m torch.distributed.run
@@ -36,6 +39,9 @@ Rules, by the fence's language tag:
   Any other command fails the test (teach it the new command). Commands in ``RUN_COMMANDS``
   are cheap as written and are also run, from the repository root, and their output is
   checked (the DDP example must end with identical ranks).
+- ``yaml``: parsed; one with a ``compute_environment`` key is an Accelerate config file
+  and must load with Accelerate's own loader (``ClusterConfig.from_yaml_file``: no unknown
+  key, a known ``distributed_type``).
 - untyped blocks: commands if any line starts with one of the commands above (then checked
   as a ``bash`` block), otherwise output or a diagram (e.g. a ``describe()`` table, the
   package layout) and ignored. ``text`` blocks are always ignored. Any other language tag
@@ -67,7 +73,7 @@ IGNORED_LANGS = {"text"}
 TORCHRUN_MARK = re.compile(r"^#.*\btorchrun --nproc_per_node (\d+)\b")
 PYTHON_WORD = re.compile(r"^(\S*/)?python(3(\.\d+)?)?$")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-COMMAND_WORDS = {"make", "pip", "torchrun", "accelerate", "bash"}
+COMMAND_WORDS = {"make", "pip", "torchrun", "accelerate", "bash", "export", "srun"}
 
 # Flags of timm's train.py that the docs use, taken from pytorch-image-models' train.py
 # (aa4b585, timm 1.0.29.dev0; the timm wheel does not ship the script).
@@ -240,6 +246,20 @@ def checks_for(line: str) -> list[Check]:
         extras = [e.strip() for group in re.findall(r"\.\[([^\]]+)\]", line)
                   for e in group.split(",")]
         return [Check("extra", extra) for extra in extras]
+    if head == "export":  # export NAME=VALUE: the value may be a $(command), not checked
+        if not rest or not ENV_ASSIGNMENT.match(rest[0]):
+            return [Check("error", "export without NAME=VALUE")]
+        return []
+    if head == "srun":  # srun [--option=value ...] COMMAND: the command as a line of its own
+        while rest and rest[0].startswith("-"):
+            rest = rest[1:]
+        if not rest:
+            return [Check("error", "srun without a command")]
+        return checks_for(shlex.join(rest))
+    if head == "bash" and rest[:1] == ["-c"]:  # bash -c "COMMAND"
+        if len(rest) < 2:
+            return [Check("error", "bash -c without a command")]
+        return checks_for(rest[1])
     if head == "bash":  # bash SCRIPT.sh [PART]: PART must be one of the script's cases
         if not rest or not rest[0].endswith(".sh") or not (REPO / rest[0]).is_file():
             return [Check("error", f"bash {' '.join(rest[:1])}: no such script")]
@@ -426,7 +446,7 @@ def help_texts(fork_server, tmp_path_factory) -> dict[str, str]:
 
 
 def test_every_block_has_a_known_language():
-    known = {"python", "", *SHELL_LANGS, *IGNORED_LANGS}
+    known = {"python", "", "yaml", *SHELL_LANGS, *IGNORED_LANGS}
     unknown = [f"{b.where}: ```{b.lang}" for b in ALL_BLOCKS if b.lang not in known]
     assert not unknown, "teach tests/test_docs_snippets.py these blocks:\n" + "\n".join(unknown)
 
@@ -471,6 +491,11 @@ def test_the_flag_checks_can_fail():
     assert checks_for("bash benchmarks/nope.sh step")[0].kind == "error"
     assert checks_for("python -m pytest -q tests/test_nope.py")[0].kind == "error"
     assert checks_for("python -m pytest -q tests/test_gpu.py") == []
+    assert [c.flags for c in checks_for('srun --nodes=2 bash -c "torchrun --nnodez 2 x.py"')
+            if c.name == "torchrun"] == [("--nnodez",)]
+    assert checks_for("srun --nodes=2")[0].kind == "error"
+    assert checks_for("export HEAD=$(scontrol show hostnames)") == []
+    assert checks_for("export --nope")[0].kind == "error"
     (part,) = checks_for("bash benchmarks/gpu_session.sh stpe")
     assert part.flags == ("stpe",) and "stpe" not in script_parts(part.name)
     assert "step" in script_parts(part.name)
@@ -497,6 +522,32 @@ def test_cheap_command_runs(where, command):
     for expected in RUN_COMMANDS[where, command]:
         assert expected in result.stdout, f"{where}: {command}: no {expected!r}\n" \
                                           f"{result.stdout[-2000:]}"
+
+
+YAML_BLOCKS = [b for b in ALL_BLOCKS if b.lang == "yaml"]
+
+
+@pytest.mark.parametrize("block", YAML_BLOCKS, ids=[b.where for b in YAML_BLOCKS])
+def test_yaml_blocks_load(block, tmp_path):
+    """Valid YAML; an Accelerate config file loads with Accelerate's own loader."""
+    import yaml
+
+    config = yaml.safe_load(block.code)
+    if isinstance(config, dict) and "compute_environment" in config:
+        from accelerate.commands.config.config_args import ClusterConfig
+
+        (tmp_path / "config.yaml").write_text(block.code)
+        loaded = ClusterConfig.from_yaml_file(tmp_path / "config.yaml")
+        assert loaded.to_dict()["num_machines"] == config["num_machines"]
+
+
+def test_accelerate_config_check_can_fail(tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    (tmp_path / "config.yaml").write_text("compute_environment: LOCAL_MACHINE\n"
+                                          "distributed_type: MULTI_GPU\nnum_machine: 2\n")
+    with pytest.raises(ValueError, match="num_machine"):
+        ClusterConfig.from_yaml_file(tmp_path / "config.yaml")
 
 
 # ---------------------------------------------------------------- python blocks
