@@ -9,9 +9,9 @@ statistics, eigendecompositions, QR, root solves and preconditioning products, s
 eager, as Meta's ``ShampooPT2CompileConfig`` leaves preconditioning out of its graph.
 
 Line 4, the filtered gradient ``Ĝ``, stays eager too: it is what the preconditioner
-multiplies, and it must be eager's to the last bit. A fused kernel rounds ``β1 M +
-(1-β1) G`` otherwise than eager's ``add_(alpha=)``, an FMA on CPU and CUDA (inductor emits
-one only on GPUs), which is a last-bit difference in ``Ĝ``; but at a refresh ``Ĝ`` lies in
+multiplies, and it must be eager's to the last bit. A fused kernel rounded ``β1 M +
+(1-β1) G`` three times where eager's ``add_(alpha=)`` is one FMA (on CPU and CUDA; inductor
+emits one only on GPUs): a last-bit difference in ``Ĝ``. But at a refresh ``Ĝ`` lies in
 the range of the factor matrices it was accumulated in, and while they are rank-deficient
 (fewer steps than dims) the root ``(F + εI)^(-1/r)`` multiplies the rounding noise
 outside that range by up to ``ε^(-1/r)``: with the default ε = 1e-12, 1e-7 relative noise
@@ -22,7 +22,7 @@ How the kernels avoid recompiling:
 - every tensor is passed as ``(n, numel)`` rows (the blocks of a stack), so stacks of
   any block order share a graph; the second shape makes the sizes symbolic (torch's
   automatic dynamic shapes), after which one graph serves every stack;
-- the coefficients (``β2``, the bias correction, ``-lr``, the decay factor) are computed in
+- the coefficients (``β2``, ``μ``, the bias correction, ``-lr``, the decay factor) are computed in
   Python as in ``stages.py`` and passed as 0-dim float64 CPU tensors, so a learning rate
   schedule or the step counter never recompiles; only the settings that choose a branch
   (grafting method, momentum on or off, ...) are part of a graph.
