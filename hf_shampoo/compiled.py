@@ -2,18 +2,27 @@
 
 ``stages_for(group)`` gives ``BlockStack.direction`` the stages it runs: the ``stages``
 module itself (eager, ``compile=False``), or a ``CompiledStages`` with the same functions
-for docs/design.md §2 lines 3–8 (grafting state, filtered gradient, grafting, weight
-decay, momentum, ``-lr``), each one ``torch.compile``d kernel over the stack: one pass
-over memory where eager torch makes one per operation. Everything else, the preconditioner
-kinds' statistics, eigendecompositions, QR, root solves and preconditioning products,
-stays eager, as Meta's ``ShampooPT2CompileConfig`` leaves preconditioning out of its graph.
+for docs/design.md §2 lines 3 and 5–8 (grafting state, grafting, weight decay, momentum,
+``-lr``), each one ``torch.compile``d kernel over the stack: one pass over memory where
+eager torch makes one per operation. Everything else, the preconditioner kinds'
+statistics, eigendecompositions, QR, root solves and preconditioning products, stays
+eager, as Meta's ``ShampooPT2CompileConfig`` leaves preconditioning out of its graph.
+
+Line 4, the filtered gradient ``Ĝ``, stays eager too: it is what the preconditioner
+multiplies, and it must be eager's to the last bit. A fused kernel rounded ``β1 M +
+(1-β1) G`` three times where eager's ``add_(alpha=)`` is one FMA (on CPU and CUDA; inductor
+emits one only on GPUs): a last-bit difference in ``Ĝ``. But at a refresh ``Ĝ`` lies in
+the range of the factor matrices it was accumulated in, and while they are rank-deficient
+(fewer steps than dims) the root ``(F + εI)^(-1/r)`` multiplies the rounding noise
+outside that range by up to ``ε^(-1/r)``: with the default ε = 1e-12, 1e-7 relative noise
+in float32 became 2e-3 to 5e-2 of a block's direction, 1e-16 in float64 2e-10 (issue 35).
 
 How the kernels avoid recompiling:
 
 - every tensor is passed as ``(n, numel)`` rows (the blocks of a stack), so stacks of
   any block order share a graph; the second shape makes the sizes symbolic (torch's
   automatic dynamic shapes), after which one graph serves every stack;
-- the coefficients (``β``, bias corrections, ``-lr``, the decay factor) are computed in
+- the coefficients (``β2``, ``μ``, the bias correction, ``-lr``, the decay factor) are computed in
   Python as in ``stages.py`` and passed as 0-dim float64 CPU tensors, so a learning rate
   schedule or the step counter never recompiles; only the settings that choose a branch
   (grafting method, momentum on or off, ...) are part of a graph.
@@ -67,16 +76,6 @@ def _second_moment(v: Tensor, g: Tensor, beta2: Tensor, weight: Tensor) -> None:
     v.copy_(v * beta2 + g * g * weight)
 
 
-def _filtered(m: Tensor, g: Tensor, out: Tensor, beta1: Tensor, beta3: Tensor,
-              bias: Tensor, separate: bool) -> None:
-    """Line 4: ``M = β1 M + (1-β1) G`` and ``out = (β3 M + (1-β3) G) / bias`` (with the
-    new ``M`` when not ``separate``, i.e. β3 = β1)."""
-    new = m * beta1 + g * (1.0 - beta1)
-    filtered = (m * beta3 + g * (1.0 - beta3)) if separate else new
-    m.copy_(new)
-    out.copy_(filtered / bias)
-
-
 def _graft(v: Tensor, x: Tensor, out: Tensor, bias: Tensor, eps: Tensor) -> None:
     """Line 5's grafting direction ``x / (sqrt(V / bias) + ε)``."""
     out.copy_(x / ((v / bias).sqrt() + eps))
@@ -101,13 +100,13 @@ def _finish_scaled(direction: Tensor, scale: Tensor, out: Tensor, neg_lr: Tensor
     out.copy_(direction * (scale * neg_lr))
 
 
-KERNELS = ("_second_moment", "_filtered", "_graft", "_finish", "_finish_scaled")
+KERNELS = ("_second_moment", "_graft", "_finish", "_finish_scaled")
 
 
 # ---------------------------------------------------------------- stages.py's interface
 class CompiledStages:
-    """``stages.py``'s functions for lines 3–8, run by the compiled kernels; any other name
-    is the module's own (eager) function."""
+    """``stages.py``'s functions for lines 3 and 5–8, run by the compiled kernels; any other
+    name (line 4's ``filtered_gradient`` among them) is the module's own (eager) function."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
@@ -125,22 +124,6 @@ class CompiledStages:
             return stages.update_grafting_state(state, group, grad)
         beta2, weight = (1.0, 1.0) if grafting == "adagrad" else (beta2, 1.0 - beta2)
         self.kernels["_second_moment"](_rows(v), _rows(grad), _scalar(beta2), _scalar(weight))
-
-    def filtered_gradient(self, state: dict, group, step: int, grad: Tensor,
-                          out: Tensor) -> Tensor:
-        beta1 = group["betas"][0]
-        if beta1 == 0:
-            return grad
-        m = state["filtered_grad"]
-        beta3 = group["beta3"] if group["beta3"] is not None else beta1
-        bias = group["use_bias_correction"]
-        if (beta3 == beta1 and not bias) or not _flat(m, grad, out):
-            return stages.filtered_gradient(state, group, step, grad, out)
-        correction = 1.0 - (beta1**step if beta3 == beta1 else beta3 * beta1 ** (step - 1))
-        self.kernels["_filtered"](_rows(m), _rows(grad), _rows(out), _scalar(beta1),
-                                  _scalar(beta3), _scalar(correction if bias else 1.0),
-                                  beta3 != beta1)
-        return out
 
     def graft(self, state: dict, group, step: int, x: Tensor, out: Tensor) -> Tensor:
         grafting = group["grafting"]
