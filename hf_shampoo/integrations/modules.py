@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..blocking import expert_shape, merged_shape
-from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, validate_group
+from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, did_you_mean, validate_group
 from ..optimizer import DistributedShampoo
 
 # Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
@@ -396,7 +396,8 @@ def check_override(pattern: str, keywords: Mapping[str, Any]) -> None:
             )
         if key not in DEFAULTS:
             raise ValueError(
-                f"hf_shampoo: override {pattern!r} has unknown keyword {key!r}; valid keywords "
+                f"hf_shampoo: override {pattern!r} has unknown keyword {key!r}"
+                f"{did_you_mean(key, DEFAULTS)}; valid keywords "
                 f"are {', '.join(k for k in DEFAULTS if k not in GLOBAL_KEYS)}"
             )
     group = {**DEFAULTS, **keywords}
@@ -406,6 +407,31 @@ def check_override(pattern: str, keywords: Mapping[str, Any]) -> None:
         validate_group(group)
     except ValueError as error:
         raise ValueError(f"hf_shampoo: override {pattern!r}: {error}") from None
+
+
+def check_preset(preset: Any, where: str = "preset") -> None:
+    """Raise ``ValueError`` for a preset name that is not one of ``PRESETS``."""
+    if isinstance(preset, Preset):
+        return
+    if preset not in PRESETS:
+        raise ValueError(f"hf_shampoo: unknown {where} {preset!r}{did_you_mean(preset, PRESETS)}; "
+                         f"valid: {', '.join(PRESETS)}")
+
+
+def check_patterns(model: nn.Module, patterns: Iterable[str]) -> None:
+    """Raise ``ValueError`` naming the override patterns that match no parameter or module
+    name of ``model`` (what ``param_groups`` refuses), before any optimizer is built."""
+    infos = walk(model)
+    _refuse_unmatched([p for p in patterns if not any(_matches(p, i) for i in infos)], infos)
+
+
+def _refuse_unmatched(unused: list[str], infos: list[ParamInfo]) -> None:
+    if unused:
+        examples = ", ".join(info.name for info in infos[:4])
+        raise ValueError(
+            f"hf_shampoo: override pattern(s) {', '.join(map(repr, unused))} matched no "
+            f"parameter or module name (names look like: {examples}, ...)"
+        )
 
 
 def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]) -> dict:
@@ -478,8 +504,7 @@ def param_groups(
     optimizer-level keywords (needed to decide how a vocabulary-sized table is blocked);
     ``vocab_size`` defaults to ``guess_vocab_size(model)`` when the preset wants it.
     """
-    if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"hf_shampoo: unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    check_preset(preset)
     rules = PRESETS[preset] if isinstance(preset, str) else preset
     base = {**DEFAULTS, **(defaults or {})}
     override_items = list(overrides.items() if isinstance(overrides, Mapping) else overrides or [])
@@ -509,13 +534,8 @@ def param_groups(
         if key not in groups:
             groups[key] = {"params": [], **keywords}
         groups[key]["params"].append((info.name, info.param))
-    unused = [pattern for (pattern, _), hit in zip(override_items, used) if not hit]
-    if unused:
-        examples = ", ".join(info.name for info in infos[:4])
-        raise ValueError(
-            f"hf_shampoo: override pattern(s) {', '.join(map(repr, unused))} matched no "
-            f"parameter or module name (names look like: {examples}, ...)"
-        )
+    _refuse_unmatched([pattern for (pattern, _), hit in zip(override_items, used) if not hit],
+                      infos)
     return list(groups.values())
 
 
