@@ -2,9 +2,11 @@
 the defaults.
 
 ``optim_args="k=v,..."`` takes the docs/design.md §7 keyword names (``parse_optim_args``:
-values cast to the keyword's type, ``PATTERN@key`` for matching modules, ``preset``);
-defaults follow the AdamW migration (``trainer_defaults``); parameters are grouped by the
-module rules of ``modules.py``. ``create_optimizer`` and ``optimizer_cls_and_kwargs`` build
+values cast to the keyword's type, ``PATTERN@key`` for matching modules, ``preset``; as
+strict as the constructor: closest valid key, no key twice); defaults follow the AdamW
+migration, with Shampoo's fine-tuning defaults for the kinds that keep statistics only
+(``trainer_defaults``); parameters are grouped by the module rules of ``modules.py``, and a
+keyword that changes none of the groups is reported. ``create_optimizer`` and ``optimizer_cls_and_kwargs`` build
 the optimizer; they need nothing of transformers but its ``TrainingArguments``' fields.
 """
 
