@@ -629,7 +629,8 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
         if index not in rows:  # frozen: requires_grad=False and no gradient, so no blocks
             rows[index] = {"name": shampoo.param_name(index), "shape": tuple(param.shape),
                            "role": role_of(param), "block_shapes": [], "ranks": set(),
-                           "preconditioner": "-", "grafting": "-", "weight_decay": group["weight_decay"],
+                           "preconditioner": "-", "grafting": "-",
+                           "weight_decay": group["weight_decay"],
                            "frozen": True}
     out = []
     for index in sorted(rows):

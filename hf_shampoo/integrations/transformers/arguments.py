@@ -6,8 +6,9 @@ values cast to the keyword's type, ``PATTERN@key`` for matching modules, ``prese
 strict as the constructor: closest valid key, no key twice); defaults follow the AdamW
 migration, with Shampoo's fine-tuning defaults for the kinds that keep statistics only
 (``trainer_defaults``); parameters are grouped by the module rules of ``modules.py``, and a
-keyword that changes none of the groups is reported. ``create_optimizer`` and ``optimizer_cls_and_kwargs`` build
-the optimizer; they need nothing of transformers but its ``TrainingArguments``' fields.
+keyword that changes none of the groups is reported. ``create_optimizer`` and
+``optimizer_cls_and_kwargs`` build the optimizer; they need nothing of transformers but its
+``TrainingArguments``' fields.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from ...config import DEFAULTS, did_you_mean, inert_keywords, validate_group
 from ...optimizer import DistributedShampoo
 from ..modules import (
-    PRESETS,
     check_override,
     check_patterns,
     check_preset,

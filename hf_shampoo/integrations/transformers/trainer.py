@@ -1,7 +1,8 @@
 """The Trainer side: ``ShampooCheckpointCallback`` (consolidates the sharded state before
-the Trainer saves on one rank; validates ``optim_args`` against the model when the Trainer is
-built; says when a run ends before the first preconditioner refresh) and ``ShampooTrainer`` (the stable route: it overrides only
-the public ``Trainer.create_optimizer``). Both subclass transformers' classes, so they are
+the Trainer saves on one rank; validates ``optim_args`` against the model when the Trainer
+is built; says when a run ends before the first preconditioner refresh) and
+``ShampooTrainer`` (the stable route: it overrides only the public
+``Trainer.create_optimizer``). Both subclass transformers' classes, so they are
 defined on first use (``classes()``), never by ``import hf_shampoo``.
 """
 
