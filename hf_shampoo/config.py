@@ -265,17 +265,59 @@ def vector_settings(group: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def did_you_mean(name: Any, choices: Any) -> str:
+    """`` (did you mean 'x'?)`` with the closest of ``choices`` to ``name``, or ``""``."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def refuse_unknown_keywords(unknown: dict[str, Any], where: str) -> None:
     """Raise ``TypeError`` for keywords no option has, with the closest valid names and the
     list of every valid keyword (Python's own error lists none)."""
-    hints = []
-    for name in sorted(unknown):
-        close = difflib.get_close_matches(name, list(DEFAULTS), n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    hints = [f"{name!r}{did_you_mean(name, DEFAULTS)}" for name in sorted(unknown)]
     raise TypeError(
         f"{where}: unknown keyword argument(s) {', '.join(hints)}; valid keywords are "
         f"params, {', '.join(DEFAULTS)}"
     )
+
+
+# Keywords that act on some preconditioner kinds only (the others ignore them); every
+# keyword not listed acts on every kind. Used to report a keyword set for an optimizer
+# none of whose groups it changes (``inert_keywords``).
+STATISTICS_KINDS = tuple(k for k in PRECONDITIONERS if k not in ("diagonal",) + DESCENT_KINDS)
+_STATISTICS_ONLY = (
+    "epsilon", "precondition_frequency", "eigendecomposition", "eigenbasis_tolerance",
+    "qr_max_iterations", "eigenbasis_variant", "orthogonalization", "quantization",
+    "statistics_frequency", "statistics_warmup", "inverse_exponent_override",
+    "inv_factor_matrix_dtype", "refresh_schedule", "diagonal_aspect", "rank_deficient",
+    "rank_atol", "rank_rtol", "root_inverse", "root_max_iterations", "root_tolerance",
+    "root_order", "root_rel_epsilon", "root_abs_epsilon",
+)
+KIND_KEYWORDS: dict[str, tuple[str, ...]] = {
+    **{key: STATISTICS_KINDS for key in _STATISTICS_ONLY},
+    **{key: ("spectral_descent",) for key in (
+        "spectral_orthogonalization", "newton_schulz_iterations", "newton_schulz_coefficients",
+        "newton_schulz_dtype", "spectral_lr_adjustment")},
+    "sign_scale": ("sign_descent",),
+}
+
+
+def keyword_acts(key: str, group: dict[str, Any]) -> bool:
+    """Whether ``key`` changes anything in a (fully defaulted) group: its kind, or the kind
+    of its vector-like parameters, uses it. ``start_preconditioning_step`` acts on the kinds
+    with statistics, and on the descent kinds only with a grafting method (their warm-up is
+    the grafting method alone)."""
+    kinds = {group["preconditioner"], group.get("vector_preconditioner")} - {None}
+    if key == "start_preconditioning_step":
+        return any(k in STATISTICS_KINDS or (k in DESCENT_KINDS and group["grafting"] is not None)
+                   for k in kinds)
+    allowed = KIND_KEYWORDS.get(key)
+    return allowed is None or bool(kinds & set(allowed))
+
+
+def inert_keywords(keys: Any, groups: list[dict[str, Any]]) -> list[str]:
+    """The keys among ``keys`` that change nothing in any of ``groups`` (fully defaulted)."""
+    return [key for key in keys if not any(keyword_acts(key, g) for g in groups)]
 
 
 def validate_group(group: dict[str, Any]) -> None:

@@ -82,12 +82,13 @@ def test_vocab_dim_is_dim0_of_embedding_and_untied_lm_head():
     assert model.transformer.wte.weight.shape[0] == VOCAB  # nn.Embedding: (vocab, hidden)
     assert model.lm_head.weight.shape[0] == VOCAB  # nn.Linear(hidden, vocab): (vocab, hidden)
     assert guess_vocab_size(model) == VOCAB
-    infos = {info.name: info for info in walk(model, VOCAB)}
-    assert infos["lm_head.weight"].role == "vocab"
+    infos = {info.name: info for info in walk(model)}  # found from the model, not the size
+    assert infos["lm_head.weight"].role == "head"
     assert infos["lm_head.weight"].vocab_dims == (0,)
     groups = param_groups(model)
     assert config_of(groups, "lm_head.weight")["inverse_exponent_override"] == {2: {0: 0}}
-    # a Linear *from* the vocabulary has it in dim 1
+    # a plain model names nothing: the size is the last resort, and a Linear *from* the
+    # vocabulary has it in dim 1
     reader = nn.Sequential(nn.Linear(VOCAB, 40))
     (info,) = [i for i in walk(reader, VOCAB) if i.name.endswith("weight")]
     assert info.role == "vocab" and info.vocab_dims == (1,)
@@ -194,12 +195,15 @@ def test_describe_table():
     optimizer = make_optimizer(model, lr=1e-3, grafting="adam", max_preconditioner_dim=64)
     text = describe(optimizer)
     header = text.splitlines()[0].split()
-    assert header == ["name", "shape", "blocks", "preconditioner", "grafting", "wd", "rank"]
+    assert header == ["name", "shape", "role", "blocks", "preconditioner", "grafting", "wd",
+                      "rank"]
     assert "transformer.wte.weight" in text and "lm_head.weight" not in text
     assert "shampoo (dim 0 off)" in text
     wte = next(r for r in describe_rows(optimizer) if r["name"] == "transformer.wte.weight")
     assert wte["shape"] == (VOCAB, 32) and wte["blocks"] == "1x(64, 32) + 1x(32, 32)"
-    assert wte["rank"] == "0"
+    assert wte["rank"] == "0" and wte["role"] == "embedding"
+    ln = next(r for r in describe_rows(optimizer) if r["name"] == "transformer.ln_f.weight")
+    assert ln["role"] == "norm"
     assert text.splitlines()[-2].startswith(f"{len(list(model.parameters()))} parameters")
     assert text.splitlines()[-1].startswith("optimizer state per rank: rank 0: ")
     with pytest.raises(TypeError):

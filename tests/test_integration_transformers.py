@@ -230,7 +230,7 @@ def test_transformers_4x_route_wraps_get_optimizer_cls_and_kwargs(monkeypatch, t
 
 
 # ---------------------------------------------------------------------- defaults
-def test_trainer_by_name_uses_adamw_migration_defaults(tmp_path):
+def test_trainer_by_name_uses_adamw_migration_defaults(tmp_path, caplog):
     args = training_args(
         tmp_path, optim="distributed_shampoo", learning_rate=3e-4, adam_beta1=0.8,
         adam_beta2=0.99, adam_epsilon=1e-7, weight_decay=0.05,
@@ -254,8 +254,15 @@ def test_trainer_by_name_uses_adamw_migration_defaults(tmp_path):
     assert group_of(optimizer, "transformer.ln_f.weight")["preconditioner"] == "diagonal"
     wte = group_of(optimizer, "transformer.wte.weight")
     assert wte["inverse_exponent_override"] == {2: {0: 0}}
-    trainer.train()
+    with caplog.at_level("WARNING"):
+        trainer.train()
     assert optimizer.param_groups[0]["step"] == 3
+    # 3 steps end before the first refresh (step 50): said once, at the start
+    notes = [r.getMessage() for r in caplog.records if "first preconditioner refresh" in
+             r.getMessage()]
+    assert len(notes) == 1, notes
+    assert "ends at step 3" in notes[0] and "refresh at step 50" in notes[0]
+    assert "precondition_frequency" in notes[0]
 
 
 def test_command_line_optim_name_and_args(tmp_path):
@@ -307,7 +314,13 @@ def test_optim_args_are_cast_to_their_types():
     "optim_args, message",
     [
         ("precondition_freq=5",
-         r"unknown optim_args key 'precondition_freq'.*precondition_frequency"),
+         r"unknown optim_args key 'precondition_freq' \(did you mean 'precondition_frequency'"),
+        ("lm_head@precondition_freq=5", r"did you mean 'precondition_frequency'"),
+        ("preset=muno", r"unknown optim_args preset 'muno' \(did you mean 'muon'"),
+        ("lr=0.1,precondition_frequency=5,lr=0.2", r"sets 'lr' twice"),
+        ("lm_head@lr=0.1,lm_head @ lr=0.2", r"sets 'lm_head@lr' twice"),
+        ("preset=cnn,preset=muon", r"sets 'preset' twice"),
+        ("nothing.matches@lr=0.1", "matched no parameter"),
         ("precondition_frequency=0", "precondition_frequency"),
         ("precondition_frequency=2.5", "expected an integer"),
         ("grafting=adamw", "grafting"),
@@ -323,6 +336,48 @@ def test_bad_optim_args_fail_when_the_trainer_is_built(tmp_path, optim_args, mes
         Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
 
 
+def test_whitespace_is_ignored_around_keys_patterns_and_values():
+    parsed = hft.parse_optim_args(
+        " preset= muon , precondition_frequency = 5, lm_head @ max_preconditioner_dim = 64,"
+        "betas=( 0.9 ; 0.95 )")
+    assert parsed.preset == "muon"
+    assert parsed.kwargs == {"precondition_frequency": 5, "betas": (0.9, 0.95)}
+    assert parsed.overrides == {"lm_head": {"max_preconditioner_dim": 64}}
+    assert hft.parse_optim_args({"preset": " cnn "}).preset == "cnn"
+
+
+@pytest.mark.parametrize("optim, optim_args, inert", [
+    ("distributed_shampoo", "newton_schulz_dtype=bf16,lr=1e-3", "newton_schulz_dtype"),
+    ("distributed_muon", "precondition_frequency=5", "precondition_frequency"),
+    ("distributed_muon", "epsilon=1e-10,newton_schulz_iterations=6", "epsilon"),
+])
+def test_keywords_no_group_uses_are_reported(tmp_path, optim, optim_args, inert):
+    args = training_args(tmp_path, optim=optim, optim_args=optim_args)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    with pytest.warns(UserWarning, match="change nothing here") as record:
+        shampoo_of(trainer)
+    (message,) = [str(w.message) for w in record if "change nothing" in str(w.message)]
+    assert repr(inert) in message
+    assert all(repr(key) not in message for key in ("lr", "newton_schulz_iterations"))
+
+
+def test_keywords_every_group_uses_are_not_reported(tmp_path, recwarn):
+    for optim, optim_args in (("distributed_shampoo", "precondition_frequency=5,epsilon=1e-10"),
+                              ("distributed_muon", "newton_schulz_dtype=bf16,lr=1e-3")):
+        args = training_args(tmp_path, optim=optim, optim_args=optim_args)
+        shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
+    assert not [w for w in recwarn if "change nothing" in str(w.message)]
+
+
+def test_override_pattern_matching_nothing_fails_when_the_trainer_is_built(tmp_path):
+    args = training_args(tmp_path, optim_args="precondition_frequency=2")
+    with pytest.raises(ValueError, match="'nothing' matched no parameter"):
+        hft.ShampooTrainer(model=tiny_gpt2(), args=args, train_dataset=dataset(),
+                           module_overrides={"nothing": {"lr": 0.1}})
+    with pytest.raises(ValueError, match="unknown preset 'muno' \\(did you mean 'muon'"):
+        hft.ShampooTrainer(model=tiny_gpt2(), args=args, preset="muno")
+
+
 def test_unknown_key_error_lists_valid_keys():
     with pytest.raises(ValueError) as error:
         hft.parse_optim_args("foo=1")
@@ -331,7 +386,7 @@ def test_unknown_key_error_lists_valid_keys():
 
 
 # ---------------------------------------------------------------------- stable routes
-def test_shampoo_trainer_needs_no_registration(tmp_path):
+def test_shampoo_trainer_needs_no_registration(tmp_path, caplog):
     args = training_args(tmp_path, optim_args="precondition_frequency=2")  # optim: AdamW default
     trainer = hft.ShampooTrainer(
         model=tiny_gpt2(), args=args, train_dataset=dataset(),
@@ -345,7 +400,9 @@ def test_shampoo_trainer_needs_no_registration(tmp_path):
     matrix = group_of(optimizer, "transformer.h.0.mlp.c_fc.weight")
     assert matrix["precondition_frequency"] == 2 and matrix["max_preconditioner_dim"] == 64
     assert group_of(optimizer, "transformer.h.0.attn.c_attn.weight")["preconditioner"] == "diagonal"
-    trainer.train()
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert not any("first preconditioner refresh" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="precondition_frequency"):
         hft.ShampooTrainer(model=tiny_gpt2(), args=args,
                            shampoo_kwargs={"precondition_frequency": 0})

@@ -5,6 +5,7 @@ unmodified HF script that saves, resumes (bit for bit) and runs under two ranks.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def test_preset_gives_conv_kernels_out_by_rest_matrices():
     optimizer.step()
 
 
-def test_trainer_by_name_distributed_muon(tmp_path):
+def test_trainer_by_name_distributed_muon(tmp_path, caplog):
     args = training_args(tmp_path, optim="distributed_muon", learning_rate=3e-3,
                          adam_beta1=0.9, weight_decay=0.1)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
@@ -107,8 +108,34 @@ def test_trainer_by_name_distributed_muon(tmp_path):
                                           for c in trainer.callback_handler.callbacks]
     optimizer = shampoo_of(trainer)
     check_muon_groups(optimizer, 0.9)
-    trainer.train()
+    # the Shampoo fine-tuning defaults mean nothing to Muon's kinds: not set
+    for group in optimizer.param_groups:
+        assert group["precondition_frequency"] == 1
+        assert group["max_preconditioner_dim"] in (1024, WHOLE_MATRIX)
+    with caplog.at_level("WARNING"):
+        trainer.train()
     assert optimizer.param_groups[0]["step"] == 3
+    # nothing to refresh: no note that the run ends before a first refresh
+    assert not any("first preconditioner refresh" in r.getMessage() for r in caplog.records)
+
+
+def test_muon_warm_up_is_accepted_as_documented(tmp_path):
+    """``start_preconditioning_step >= 1`` is valid for Muon (no hidden
+    ``precondition_frequency=50`` refuses it); under the preset no group has a grafting
+    method to warm up with, and the Trainer says so."""
+    args = training_args(tmp_path, optim="distributed_muon",
+                         optim_args="start_preconditioning_step=10")
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    with pytest.warns(UserWarning, match="'start_preconditioning_step'.*change nothing"):
+        optimizer = shampoo_of(trainer)
+    assert group_of(optimizer, HIDDEN[0])["start_preconditioning_step"] == 10
+    # with Adam grafting on the matrices, the warm-up acts and nothing is reported
+    args = training_args(tmp_path, optim="distributed_muon",
+                         optim_args="start_preconditioning_step=10,*.h.*@grafting=adam")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
+    assert group_of(optimizer, HIDDEN[0])["grafting"] == "adam"
 
 
 def test_optim_args_preset_muon_builds_the_same_groups(tmp_path):

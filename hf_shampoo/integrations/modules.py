@@ -1,25 +1,42 @@
 """Module rules: walk a model and map its parameters to ``DistributedShampoo`` group configs.
 
 ``param_groups(model, preset=...)`` gives every trainable parameter (tied weights once, under
-their first name) a role from the module that owns it, and each role a configuration:
+their first name) a role found from the model itself, by module type and the model's own
+accessors (``get_input_embeddings()``, ``get_output_embeddings()``, ``base_model``, timm's
+``get_classifier()``), never by comparing sizes in a model that names its parts:
 
-- embedding tables (``nn.Embedding``) and vocabulary-sized weights (e.g. ``lm_head``) are
-  not Kronecker-preconditioned along the vocabulary dim (``inverse_exponent_override``
-  ``{2: {d: 0}}``; a table small enough to be merged into one dim gets the diagonal method);
-- biases, norm weights and other vectors use the grafting method alone
-  (``preconditioner="diagonal"``);
-- convolution kernels and matrices get full Shampoo; kernels are merged by docs/design.md §1;
-- a mixture of experts' fused weights (transformers' experts modules: ``gate_up_proj`` /
-  ``down_proj`` of shape ``(num_experts, out, in)``) are ``E`` matrices, not one tensor:
-  their group has ``experts=True``, so each expert gets its own blocks, factors and
-  orthogonalization, and the rules above see one expert's shape.
+- ``embedding``: embedding tables (``nn.Embedding``: tokens, positions, token types, T5's
+  relative attention bias), whatever sits in the model's input embeddings (ViT's patch
+  projection) and bare embedding parameters (ViT's ``position_embeddings``, ``cls_token``);
+- ``head``: the output projection (``get_output_embeddings()``, tied or not) and the task
+  heads outside the model's ``base_model`` (``classifier`` / ``score`` of the
+  ``*ForSequenceClassification`` / ``*ForTokenClassification`` / ``*ForImageClassification``
+  families);
+- ``router``: a mixture of experts' router (``*Router`` modules, a ``gate`` next to experts);
+- ``bias``, ``norm``, ``vector`` (any other tensor with at most one dim larger than 1);
+- ``matrix`` and ``conv``: hidden weights; ``vocab``: a weight with a vocabulary-sized dim,
+  the last resort for models without those accessors (plain ``nn.Module`` models).
 
-Presets bundle these rules (``"transformer"``, ``"cnn"``, ``"muon"``, ``"none"``); the
-``"muon"`` preset gives hidden matrices and conv kernels spectral descent on whole matrices
-(Muon, docs/muon.md) and everything else Adam. ``overrides`` map
-glob patterns over parameter or module names to keywords. ``describe(optimizer)`` prints the
-result per parameter: shape, blocks, preconditioner, owning rank. Only the public interface
-of ``DistributedShampoo`` is used.
+Each preset maps roles to a configuration:
+
+- ``"transformer"``: tables and the output projection are not Kronecker-preconditioned along
+  the vocabulary dim (``inverse_exponent_override`` ``{2: {d: 0}}``; a table small enough to
+  be merged into one dim gets the diagonal method); biases, norms and vectors use the
+  grafting method alone (``preconditioner="diagonal"``); everything else full Shampoo,
+  kernels merged by docs/design.md §1;
+- ``"cnn"``: the same without the vocabulary rule for the head;
+- ``"muon"``: hidden matrices and conv kernels (as (out, rest)) by spectral descent on whole
+  matrices (docs/muon.md); embeddings of any shape, every head, routers, norms, biases and
+  vectors by Adam;
+- ``"none"``: the optimizer's keywords for every parameter.
+
+A mixture of experts' fused weights (transformers' experts modules: ``gate_up_proj`` /
+``down_proj`` of shape ``(num_experts, out, in)``) are ``E`` matrices, not one tensor: their
+group has ``experts=True``, so each expert gets its own blocks, factors and
+orthogonalization, and the rules above see one expert's shape. ``overrides`` map glob
+patterns over parameter or module names to keywords. ``describe(optimizer)`` prints the
+result per parameter: shape, role, blocks, preconditioner, owning rank. Only the public
+interface of ``DistributedShampoo`` is used.
 """
 
 from __future__ import annotations
@@ -32,9 +49,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..blocking import expert_shape, merged_shape
-from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, validate_group
+from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, did_you_mean, validate_group
 from ..optimizer import DistributedShampoo
 
 # Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
@@ -47,7 +65,10 @@ NORM_TYPES: tuple[type, ...] = (
 ) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 EMBEDDING_TYPES: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
 
-ROLES = ("bias", "norm", "embedding", "vector", "vocab", "conv", "matrix")
+ROLES = ("bias", "norm", "embedding", "head", "router", "vector", "vocab", "conv", "matrix")
+# the roles a parameter's shape alone gives (what a role found from the model falls back to
+# in presets that do not treat that role specially)
+SHAPE_ROLES = ("vector", "conv", "matrix")
 
 # Trainer's rule for parameters without weight decay (transformers 5.x
 # ``Trainer.get_decay_parameter_names``): inside an ``nn.LayerNorm``, or a name matching these.
@@ -66,13 +87,18 @@ class ParamInfo:
     modules: tuple[nn.Module, ...]
     param: Tensor
     role: str
-    vocab_dims: tuple[int, ...] = ()  # dims of vocabulary size (embedding / vocab roles)
+    vocab_dims: tuple[int, ...] = ()  # index dims: a table's rows, the output head's vocabulary
     experts: bool = False  # dim 0 indexes the experts of a fused experts module
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
         """The shape the role rules see: one expert's for fused experts, else the whole."""
         return expert_shape(self.param.shape, self.experts)
+
+    @property
+    def shape_role(self) -> str:
+        """The role its shape alone gives: ``vector``, ``conv`` or ``matrix``."""
+        return shape_role(self.unit_shape)
 
 
 @dataclass(frozen=True)
@@ -110,9 +136,10 @@ PRESETS: dict[str, Preset] = {
     ),
     "cnn": Preset("cnn", frozenset({"bias", "norm", "vector"}), False, vector_no_decay),
     "none": Preset("none", frozenset(), False, lambda info: False),
-    # Muon: hidden matrices and conv kernels (as (out, rest)) by spectral descent; embedding
-    # tables, vocabulary projections, norms, biases and other vectors by Adam
-    "muon": Preset("muon", frozenset({"bias", "norm", "vector", "embedding", "vocab"}), True,
+    # Muon (as its recipes): hidden matrices and conv kernels (as (out, rest)) by spectral
+    # descent; embeddings of any shape, every head, routers, norms, biases and vectors by Adam
+    "muon": Preset("muon", frozenset({"bias", "norm", "vector", "embedding", "vocab", "head",
+                                      "router"}), True,
                    muon_no_decay, spectral_roles=frozenset({"matrix", "conv"})),
 }
 # the muon preset's matrices are never cut: one block per matrix, whatever its size
@@ -122,6 +149,9 @@ WHOLE_MATRIX = 2**31 - 1
 ADAPTER_ASPECT = 16
 # peft's LoRA adapter matrices, by name: their long side is diagonal whatever their aspect
 PEFT_ADAPTERS = (".lora_A.", ".lora_B.")
+# the role param_groups found for each parameter, for describe() (weak: never keeps a
+# parameter alive)
+_ROLE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 # ---------------------------------------------------------------------- model walk
@@ -163,72 +193,179 @@ def guess_vocab_size(model: nn.Module) -> int | None:
     return max(sizes) if sizes else None
 
 
-def _output_embeddings(model: nn.Module) -> nn.Module | None:
-    """The output projection of a transformers model (``lm_head``), if it says so."""
-    getter = getattr(model, "get_output_embeddings", None)
+def shape_role(shape: tuple[int, ...]) -> str:
+    """``vector`` (at most one dim larger than 1), ``conv`` (3 dims or more) or ``matrix``."""
+    if sum(d > 1 for d in shape) <= 1:
+        return "vector"
+    return "conv" if len(shape) >= 3 else "matrix"
+
+
+def _accessor(model: nn.Module, name: str) -> tuple[bool, nn.Module | None]:
+    """Whether ``model`` has the accessor ``name`` (transformers' ``get_output_embeddings``,
+    timm's ``get_classifier``, ...), and the module it returns (None if none)."""
+    getter = getattr(model, name, None)
+    if not callable(getter):
+        return False, None
     try:
-        module = getter() if callable(getter) else None
-    except (AttributeError, NotImplementedError):
-        return None
-    return module if isinstance(module, nn.Module) else None
+        module = getter()
+    except (AttributeError, NotImplementedError, TypeError):
+        return True, None
+    return True, module if isinstance(module, nn.Module) else None
+
+
+def _task_head_params(model: nn.Module) -> set[int]:
+    """Ids of the parameters outside a transformers model's ``base_model``: its task heads
+    (``classifier``, ``score``, ``lm_head``, ...). A peft model is looked through
+    (``get_base_model()``); a model that is its own base (T5ForConditionalGeneration, plain
+    modules) has none by this rule."""
+    _, inner = _accessor(model, "get_base_model")
+    inner = inner if inner is not None else model
+    base = getattr(inner, "base_model", None)
+    if not isinstance(base, nn.Module) or base is inner:
+        return set()
+    inside = {id(p) for p in base.parameters()}
+    return {id(p) for p in inner.parameters() if id(p) not in inside}
+
+
+def _is_router(module: nn.Module) -> bool:
+    return "router" in type(module).__name__.lower()
+
+
+def _router_modules(model: nn.Module) -> set[int]:
+    """Ids of the routers of mixtures of experts: ``*Router`` modules (transformers 5's
+    ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ...) and a ``gate`` / ``router`` child next
+    to an experts module (older sparse-MoE blocks with an ``nn.Linear`` gate)."""
+    found = {id(m) for m in model.modules() if _is_router(m)}
+    for module in model.modules():
+        children = dict(module.named_children())
+        experts = children.get("experts")
+        if experts is None or not (is_experts_module(experts)
+                                   or isinstance(experts, nn.ModuleList)):
+            continue
+        found.update(id(children[n]) for n in ("gate", "router") if n in children)
+    return found
+
+
+def _is_embedding_parameter(leaf: str, owner: nn.Module) -> bool:
+    """A bare parameter of an embeddings module (ViT's ``position_embeddings`` and
+    ``cls_token`` of ``ViTEmbeddings``; timm's ``pos_embed``, ``reg_token``)."""
+    if isinstance(owner, (nn.Linear, nn.modules.conv._ConvNd, *EMBEDDING_TYPES)):
+        return False
+    if leaf in ("weight", "bias"):
+        return False
+    lowered = leaf.lower()
+    owner_name = type(owner).__name__.lower()
+    return ("embed" in lowered or "position" in lowered or lowered.endswith("_token")
+            or owner_name.endswith(("embeddings", "embedding")))
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What the model says about its parts (ids of modules and parameters)."""
+
+    named: bool  # the model has transformers' accessors: no vocabulary-size guessing
+    input_modules: frozenset[int]  # the input embeddings and everything inside them
+    output_module: nn.Module | None  # get_output_embeddings()
+    head_modules: frozenset[int]  # the output embeddings and timm's get_classifier()
+    head_params: frozenset[int]  # parameters outside base_model
+    routers: frozenset[int]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelParts:
+        has_output, output = _accessor(model, "get_output_embeddings")
+        has_input, inputs = _accessor(model, "get_input_embeddings")
+        _, classifier = _accessor(model, "get_classifier")
+        heads = {id(m) for head in (output, classifier) if head is not None
+                 for m in head.modules()}
+        return cls(
+            named=has_output or has_input,
+            input_modules=frozenset(id(m) for m in inputs.modules()) if inputs else frozenset(),
+            output_module=output,
+            head_modules=frozenset(heads),
+            head_params=frozenset(_task_head_params(model)),
+            routers=frozenset(_router_modules(model)),
+        )
+
+
+def _output_vocab_dims(output: nn.Module, shape: tuple[int, ...],
+                       vocab_size: int | None) -> tuple[int, ...]:
+    """The vocabulary dims of the output projection: dim 0 of an ``nn.Linear(hidden, vocab)``
+    or a tied table; else the dims of ``vocab_size``."""
+    if isinstance(output, (nn.Linear, *EMBEDDING_TYPES)) and len(shape) == 2:
+        return (0,)
+    if vocab_size is not None and len(shape) == 2:
+        return tuple(j for j, d in enumerate(shape) if d == vocab_size)
+    return ()
 
 
 def _role(
     leaf: str,
+    leaves: list[str],
+    param: Tensor,
     shape: tuple[int, ...],
     modules: list[nn.Module],
+    parts: ModelParts,
     vocab_size: int | None,
-    vocab_modules: set[int] | None,
-):
-    """The role of a parameter of this shape (one expert's, for fused experts)."""
+) -> tuple[str, tuple[int, ...]]:
+    """The role of a parameter (of this shape: one expert's, for fused experts) and its
+    index dims, from the modules that own it and what the model says about them."""
     if leaf == "bias":
         return "bias", ()
     if any(_is_norm(m) for m in modules):
         return "norm", ()
     if any(isinstance(m, EMBEDDING_TYPES) for m in modules) and len(shape) == 2:
         return "embedding", (0,)
-    if sum(d > 1 for d in shape) <= 1:
-        return "vector", ()
-    # A transformers model names its vocabulary projection; elsewhere, match the size.
-    owned = vocab_modules is None or any(id(m) in vocab_modules for m in modules)
-    if vocab_size is not None and len(shape) == 2 and vocab_size in shape and owned:
+    if (any(id(m) in parts.input_modules for m in modules)
+            or any(_is_embedding_parameter(own, m) for own, m in zip(leaves, modules))):
+        return "embedding", ()
+    output = parts.output_module
+    if output is not None and any(m is output for m in modules):
+        return "head", _output_vocab_dims(output, shape, vocab_size)
+    if id(param) in parts.head_params or any(id(m) in parts.head_modules for m in modules):
+        return "head", ()
+    if any(id(m) in parts.routers for m in modules):
+        return "router", ()
+    by_shape = shape_role(shape)
+    if by_shape != "vector" and not parts.named and vocab_size is not None \
+            and len(shape) == 2 and vocab_size in shape:
+        # last resort, for a model that names nothing: a dim of the vocabulary's size
         return "vocab", tuple(j for j, d in enumerate(shape) if d == vocab_size)
-    return ("conv", ()) if len(shape) >= 3 else ("matrix", ())
+    return by_shape, ()
 
 
 def walk(model: nn.Module, vocab_size: int | None = None) -> list[ParamInfo]:
     """Every trainable parameter once (tied weights under their first name), with its role.
 
-    ``vocab_size`` enables the vocabulary rule for weights that are not embedding tables
-    (e.g. an untied ``lm_head``); pass ``guess_vocab_size(model)`` for that. In a
-    transformers model only ``get_output_embeddings()`` is vocabulary-sized (a hidden size
-    may equal the vocabulary size by chance); in other models every 2-D weight with a dim of
-    that size is.
+    Roles come from the model (see the module docstring). ``vocab_size`` is the last
+    resort for a model without transformers' accessors (a plain ``nn.Module``): there, a
+    2-D weight with a dim of that size gets the ``vocab`` role (pass
+    ``guess_vocab_size(model)``); in a transformers model it only helps find the vocabulary
+    dim of an output projection that is neither an ``nn.Linear`` nor a table.
     """
-    output = _output_embeddings(model)
-    vocab_modules = None if output is None else {id(output)}
-    owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
+    parts = ModelParts.of(model)
+    owners: dict[int, list[tuple[str, str, str, nn.Module]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for leaf, param in module.named_parameters(recurse=False, remove_duplicate=False):
             full = f"{module_name}.{leaf}" if module_name else leaf
-            owners.setdefault(id(param), []).append((full, module_name, module))
+            owners.setdefault(id(param), []).append((full, module_name, leaf, module))
     infos = []
     for name, param in model.named_parameters():  # deduplicated: tied weights once
         if not param.requires_grad:
             continue
-        entries = owners.get(id(param), [(name, name.rpartition(".")[0], model)])
-        aliases = tuple(dict.fromkeys([name] + [full for full, _, _ in entries]))
-        modules = [m for _, _, m in entries]
+        entries = owners.get(
+            id(param), [(name, name.rpartition(".")[0], name.rpartition(".")[2], model)])
+        aliases = tuple(dict.fromkeys([name] + [full for full, _, _, _ in entries]))
+        modules = [m for _, _, _, m in entries]
         experts = _is_fused_experts(param, modules)
         role, vocab_dims = _role(
-            name.rpartition(".")[2], expert_shape(param.shape, experts), modules,
-            vocab_size, vocab_modules,
+            name.rpartition(".")[2], [leaf for _, _, leaf, _ in entries], param,
+            expert_shape(param.shape, experts), modules, parts, vocab_size,
         )
         infos.append(
             ParamInfo(
                 name=name,
                 aliases=aliases,
-                module_names=tuple(dict.fromkeys(mn for _, mn, _ in entries)),
+                module_names=tuple(dict.fromkeys(mn for _, mn, _, _ in entries)),
                 modules=tuple(modules),
                 param=param,
                 role=role,
@@ -259,7 +396,8 @@ def check_override(pattern: str, keywords: Mapping[str, Any]) -> None:
             )
         if key not in DEFAULTS:
             raise ValueError(
-                f"hf_shampoo: override {pattern!r} has unknown keyword {key!r}; valid keywords "
+                f"hf_shampoo: override {pattern!r} has unknown keyword {key!r}"
+                f"{did_you_mean(key, DEFAULTS)}; valid keywords "
                 f"are {', '.join(k for k in DEFAULTS if k not in GLOBAL_KEYS)}"
             )
     group = {**DEFAULTS, **keywords}
@@ -271,19 +409,46 @@ def check_override(pattern: str, keywords: Mapping[str, Any]) -> None:
         raise ValueError(f"hf_shampoo: override {pattern!r}: {error}") from None
 
 
+def check_preset(preset: Any, where: str = "preset") -> None:
+    """Raise ``ValueError`` for a preset name that is not one of ``PRESETS``."""
+    if isinstance(preset, Preset):
+        return
+    if preset not in PRESETS:
+        raise ValueError(f"hf_shampoo: unknown {where} {preset!r}{did_you_mean(preset, PRESETS)}; "
+                         f"valid: {', '.join(PRESETS)}")
+
+
+def check_patterns(model: nn.Module, patterns: Iterable[str]) -> None:
+    """Raise ``ValueError`` naming the override patterns that match no parameter or module
+    name of ``model`` (what ``param_groups`` refuses), before any optimizer is built."""
+    infos = walk(model)
+    _refuse_unmatched([p for p in patterns if not any(_matches(p, i) for i in infos)], infos)
+
+
+def _refuse_unmatched(unused: list[str], infos: list[ParamInfo]) -> None:
+    if unused:
+        examples = ", ".join(info.name for info in infos[:4])
+        raise ValueError(
+            f"hf_shampoo: override pattern(s) {', '.join(map(repr, unused))} matched no "
+            f"parameter or module name (names look like: {examples}, ...)"
+        )
+
+
 def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]) -> dict:
-    """The preset's keywords for one parameter, given the keywords that will apply to it."""
-    if info.role in preset.diagonal_roles:
+    """The preset's keywords for one parameter, given the keywords that will apply to it.
+    A role the preset does not name falls back to its shape's (``info.shape_role``)."""
+    vector = info.shape_role == "vector" and "vector" in preset.diagonal_roles
+    if info.role in preset.diagonal_roles or vector:
         return _diagonal(effective)
     if info.role in preset.spectral_roles:
         return _spectral(effective)
-    if info.role == "embedding" or (info.role == "vocab" and preset.vocab_rule):
+    if info.vocab_dims and (info.role == "embedding" or preset.vocab_rule):
         merged = merged_shape(info.param.shape, effective["max_preconditioner_dim"])
         if len(merged) != info.param.ndim:  # small table merged into one dim: no vocab factor
             return _diagonal(effective)
         return {"inverse_exponent_override": {2: {d: 0 for d in info.vocab_dims}}}
     shape = info.unit_shape
-    if (info.role == "matrix" and len(shape) == 2 and min(shape) > 0
+    if (info.shape_role == "matrix" and len(shape) == 2 and min(shape) > 0
             and effective["preconditioner"] == "shampoo" and effective["quantization"] is None
             and effective.get("diagonal_aspect") is None):
         # an adapter (peft's lora_A / lora_B, any aspect) or an adapter-like matrix (long
@@ -339,8 +504,7 @@ def param_groups(
     optimizer-level keywords (needed to decide how a vocabulary-sized table is blocked);
     ``vocab_size`` defaults to ``guess_vocab_size(model)`` when the preset wants it.
     """
-    if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"hf_shampoo: unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    check_preset(preset)
     rules = PRESETS[preset] if isinstance(preset, str) else preset
     base = {**DEFAULTS, **(defaults or {})}
     override_items = list(overrides.items() if isinstance(overrides, Mapping) else overrides or [])
@@ -365,17 +529,13 @@ def param_groups(
             keywords["experts"] = True
         keywords.update(_role_keywords(info, rules, {**base, **user}))
         keywords.update(user)
+        _ROLE_OF[info.param] = info.role
         key = _group_key(keywords)
         if key not in groups:
             groups[key] = {"params": [], **keywords}
         groups[key]["params"].append((info.name, info.param))
-    unused = [pattern for (pattern, _), hit in zip(override_items, used) if not hit]
-    if unused:
-        examples = ", ".join(info.name for info in infos[:4])
-        raise ValueError(
-            f"hf_shampoo: override pattern(s) {', '.join(map(repr, unused))} matched no "
-            f"parameter or module name (names look like: {examples}, ...)"
-        )
+    _refuse_unmatched([pattern for (pattern, _), hit in zip(override_items, used) if not hit],
+                      infos)
     return list(groups.values())
 
 
@@ -425,8 +585,14 @@ def _blocks_label(shapes: list[tuple[int, ...]]) -> str:
     return " + ".join(f"{n}x{tuple(s)}" for s, n in counts.items())
 
 
+def role_of(param: Tensor) -> str:
+    """The role ``param_groups`` found for ``param`` ("-" for one it did not group)."""
+    return _ROLE_OF.get(param, "-")
+
+
 def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
-    """One row per parameter: name, shape, blocks, preconditioner, grafting, weight decay,
+    """One row per parameter: name, shape, role (the module rules', "-" for groups built
+    without them), blocks, preconditioner, grafting, weight decay,
     owning rank(s), and ``experts`` (the number of experts of a parameter blocked per expert,
     ``experts=True``; else 0). Built from ``optimizer.describe_blocks()`` and ``param_groups``; a
     frozen parameter (``requires_grad=False``, no gradient) has no blocks and no state
@@ -448,6 +614,7 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
             {
                 "name": block["name"],
                 "shape": tuple(param.shape),
+                "role": role_of(param),
                 "block_shapes": [],
                 "ranks": set(),
                 "preconditioner": _preconditioner_label(
@@ -461,8 +628,9 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
     for index, (group, param) in enumerate(owner):
         if index not in rows:  # frozen: requires_grad=False and no gradient, so no blocks
             rows[index] = {"name": shampoo.param_name(index), "shape": tuple(param.shape),
-                           "block_shapes": [], "ranks": set(), "preconditioner": "-",
-                           "grafting": "-", "weight_decay": group["weight_decay"],
+                           "role": role_of(param), "block_shapes": [], "ranks": set(),
+                           "preconditioner": "-", "grafting": "-",
+                           "weight_decay": group["weight_decay"],
                            "frozen": True}
     out = []
     for index in sorted(rows):
@@ -482,14 +650,15 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
 
 
 def describe(optimizer: Any) -> str:
-    """A table of every parameter: name, shape, blocks, preconditioner, grafting, weight
-    decay and owning rank, then the number of blocks and their elements per rank."""
+    """A table of every parameter: name, shape, role, blocks, preconditioner, grafting,
+    weight decay and owning rank, then the number of blocks and their elements per rank."""
     rows = describe_rows(optimizer)
-    header = ("name", "shape", "blocks", "preconditioner", "grafting", "wd", "rank")
+    header = ("name", "shape", "role", "blocks", "preconditioner", "grafting", "wd", "rank")
     table = [header] + [
         (
             r["name"],
             str(r["shape"]),
+            r["role"],
             r["blocks"],
             r["preconditioner"],
             r["grafting"],

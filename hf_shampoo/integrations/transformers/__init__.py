@@ -24,8 +24,10 @@ from .arguments import (
     OPTIMIZER_NAME,
     OPTIMIZER_NAMES,
     SHAMPOO_EPSILON,
+    STATELESS_PRESETS,
     OptimArgs,
     cast_value,
+    chosen_preset,
     create_optimizer,
     optimizer_cls_and_kwargs,
     parse_optim_args,
@@ -42,7 +44,7 @@ from .registration import (
     register,
     register_on_import,
 )
-from .trainer import save_ranks
+from .trainer import first_refresh_note, save_ranks
 
 __all__ = [
     "FINE_TUNING_DEFAULTS",
@@ -53,11 +55,14 @@ __all__ = [
     "OPTIMIZER_NAME",
     "OPTIMIZER_NAMES",
     "SHAMPOO_EPSILON",
+    "STATELESS_PRESETS",
     "OptimArgs",
     "ShampooCheckpointCallback",
     "ShampooTrainer",
     "cast_value",
+    "chosen_preset",
     "create_optimizer",
+    "first_refresh_note",
     "is_registered",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",

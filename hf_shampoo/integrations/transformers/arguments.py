@@ -2,24 +2,35 @@
 the defaults.
 
 ``optim_args="k=v,..."`` takes the docs/design.md §7 keyword names (``parse_optim_args``:
-values cast to the keyword's type, ``PATTERN@key`` for matching modules, ``preset``);
-defaults follow the AdamW migration (``trainer_defaults``); parameters are grouped by the
-module rules of ``modules.py``. ``create_optimizer`` and ``optimizer_cls_and_kwargs`` build
-the optimizer; they need nothing of transformers but its ``TrainingArguments``' fields.
+values cast to the keyword's type, ``PATTERN@key`` for matching modules, ``preset``; as
+strict as the constructor: closest valid key, no key twice); defaults follow the AdamW
+migration, with Shampoo's fine-tuning defaults for the kinds that keep statistics only
+(``trainer_defaults``); parameters are grouped by the module rules of ``modules.py``, and a
+keyword that changes none of the groups is reported. ``create_optimizer`` and
+``optimizer_cls_and_kwargs`` build the optimizer; they need nothing of transformers but its
+``TrainingArguments``' fields.
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...config import DEFAULTS, validate_group
+from ...config import DEFAULTS, did_you_mean, inert_keywords, validate_group
 from ...optimizer import DistributedShampoo
-from ..modules import PRESETS, check_override, hf_no_decay, param_groups, walk
+from ..modules import (
+    check_override,
+    check_patterns,
+    check_preset,
+    hf_no_decay,
+    param_groups,
+    walk,
+)
 
 OPTIMIZER_NAME = "distributed_shampoo"
 # Muon by name: the same optimizer with the "muon" module preset (spectral descent on
@@ -43,6 +54,10 @@ FINE_TUNING_DEFAULTS: dict[str, Any] = {
     "max_preconditioner_dim": 512,
 }
 SHAMPOO_EPSILON = 1e-12
+# Presets whose kinds keep no statistics (spectral descent and Adam): the defaults above and
+# Shampoo's epsilon mean nothing to them and are not set (a warm-up of 1 or more is valid)
+STATELESS_PRESETS = ("muon",)
+DEFAULT_PRESET = "transformer"
 
 INTEGRATION_KEYS = ("preset",)
 _OVERRIDE_SEPARATOR = "@"
@@ -169,6 +184,14 @@ def cast_value(key: str, text: Any) -> Any:
     return raw
 
 
+def _unknown_key(key: str, name: str) -> ValueError:
+    return ValueError(
+        f"hf_shampoo: unknown optim_args key {key!r}{did_you_mean(name, valid_keys())}; "
+        f"valid keys: {', '.join(valid_keys())} (PATTERN@key=value sets a key for the "
+        "parameters or modules whose name matches the glob PATTERN)"
+    )
+
+
 def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
     """Parse ``"k=v,k=v,PATTERN@k=v"`` (or a dict) into typed keywords.
 
@@ -176,8 +199,9 @@ def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
     keyword for the parameters whose name or owning module's name matches the glob
     ``PATTERN``. Inside ``optim_args`` write ``;`` where Python writes ``,`` in a value
     (``betas=(0.9;0.999)``, ``inverse_exponent_override={2:{0:0;1:0.5}}``): transformers
-    splits ``optim_args`` on every comma. Unknown keys and bad values raise ``ValueError``
-    listing the valid keys.
+    splits ``optim_args`` on every comma. Spaces around keys, patterns and values are
+    ignored. An unknown key or preset (with the closest valid one), a key given twice and a
+    bad value raise ``ValueError``.
     """
     parsed = OptimArgs()
     if not optim_args:
@@ -194,52 +218,69 @@ def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
                     f"{', '.join(valid_keys())} (PATTERN@key=value for some modules)"
                 )
             items.append((key.strip(), value))
+    seen: dict[tuple[str, str], str] = {}
     for key, value in items:
-        pattern, sep, name = str(key).rpartition(_OVERRIDE_SEPARATOR)
-        if name == "preset" and not sep:
-            if value not in PRESETS:
-                raise _bad("preset", value, f"one of {', '.join(PRESETS)}")
-            parsed.preset = value
-            continue
-        if name not in DEFAULTS:
-            raise ValueError(
-                f"hf_shampoo: unknown optim_args key {key!r}; valid keys: "
-                f"{', '.join(valid_keys())} (PATTERN@key=value sets a key for the parameters "
-                "or modules whose name matches the glob PATTERN)"
-            )
+        pattern, sep, name = (part.strip() for part in str(key).rpartition(_OVERRIDE_SEPARATOR))
+        if name not in DEFAULTS and not (name == "preset" and not sep):
+            raise _unknown_key(str(key), name)
         if sep and not pattern:
             raise ValueError(f"hf_shampoo: optim_args key {key!r} has an empty pattern")
+        where = f"{pattern}@{name}" if sep else name
+        if (pattern, name) in seen:
+            raise ValueError(
+                f"hf_shampoo: optim_args sets {where!r} twice ({seen[pattern, name]!r} and "
+                f"{value!r}); give each key once"
+            )
+        seen[pattern, name] = value
+        if name == "preset":
+            preset = value.strip() if isinstance(value, str) else value
+            check_preset(preset, "optim_args preset")
+            parsed.preset = preset
+            continue
         target = parsed.overrides.setdefault(pattern, {}) if sep else parsed.kwargs
         target[name] = cast_value(name, value)
     return parsed
 
 
 # ---------------------------------------------------------------------- defaults
-def trainer_defaults(args: Any) -> dict[str, Any]:
+def chosen_preset(args: Any, parsed: OptimArgs | None = None, preset: str | None = None) -> str:
+    """The module preset a build uses: ``preset`` (Python), else ``optim_args``' ``preset``,
+    else the one ``args.optim`` implies (``"muon"`` for ``distributed_muon``), else
+    ``"transformer"``."""
+    if parsed is None:
+        parsed = parse_optim_args(getattr(args, "optim_args", None))
+    return preset or parsed.preset or OPTIMIZER_NAMES.get(optim_name(args)) or DEFAULT_PRESET
+
+
+def trainer_defaults(args: Any, preset: str | None = None) -> dict[str, Any]:
     """The AdamW migration of ``TrainingArguments``: ``learning_rate``, ``adam_beta1/2``,
-    Adam grafting with ``adam_beta2`` / ``adam_epsilon``, decoupled ``weight_decay``,
-    Shampoo epsilon 1e-12, and ``FINE_TUNING_DEFAULTS``."""
-    return {
+    Adam grafting with ``adam_beta2`` / ``adam_epsilon``, decoupled ``weight_decay``, and,
+    for presets whose kinds keep statistics (all but ``STATELESS_PRESETS``), Shampoo epsilon
+    1e-12 and ``FINE_TUNING_DEFAULTS``."""
+    defaults = {
         "lr": args.learning_rate,
         "betas": (args.adam_beta1, args.adam_beta2),
-        "epsilon": SHAMPOO_EPSILON,
         "weight_decay": args.weight_decay,
         "weight_decay_type": "decoupled",
         "grafting": "adam",
         "grafting_beta2": args.adam_beta2,
         "grafting_epsilon": args.adam_epsilon,
-        **FINE_TUNING_DEFAULTS,
     }
+    if preset not in STATELESS_PRESETS:
+        defaults.update(epsilon=SHAMPOO_EPSILON, **FINE_TUNING_DEFAULTS)
+    return defaults
 
 
-def resolve_kwargs(args: Any, *chosen: Mapping[str, Any]) -> dict[str, Any]:
-    """``trainer_defaults(args)`` updated by the user's keywords (``optim_args``, Python),
-    validated. Choosing ``preconditioner="eigenvalue_corrected"`` (SOAP) also switches the
-    defaults to no grafting and Adam's epsilon (``adam_epsilon``), unless those are set."""
+def resolve_kwargs(args: Any, *chosen: Mapping[str, Any], preset: str | None = None
+                   ) -> dict[str, Any]:
+    """``trainer_defaults(args, preset)`` updated by the user's keywords (``optim_args``,
+    Python), validated. Choosing ``preconditioner="eigenvalue_corrected"`` (SOAP) also
+    switches the defaults to no grafting and Adam's epsilon (``adam_epsilon``), unless those
+    are set."""
     user: dict[str, Any] = {}
     for keywords in chosen:
         user.update(keywords)
-    kwargs = {**trainer_defaults(args), **user}
+    kwargs = {**trainer_defaults(args, preset), **user}
     if user.get("preconditioner") == "eigenvalue_corrected":
         if "grafting" not in user:
             kwargs["grafting"] = None
@@ -257,9 +298,11 @@ def resolve_kwargs(args: Any, *chosen: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def validate_args(args: Any) -> None:
+def validate_args(args: Any, model: torch.nn.Module | None = None,
+                  overrides: Mapping[str, Any] | None = None, preset: str | None = None) -> None:
     """Raise ``ValueError`` now if ``args.optim_args`` would not build a Shampoo optimizer
-    through transformers (which splits ``optim_args`` on every comma)."""
+    through transformers (which splits ``optim_args`` on every comma); with ``model``, also
+    if an override pattern (of ``optim_args`` or ``overrides``) matches none of its names."""
     text = getattr(args, "optim_args", None)
     if isinstance(text, str) and any("," in item for item in _split_top_level(text)):
         raise ValueError(
@@ -267,9 +310,11 @@ def validate_args(args: Any) -> None:
             "optim_args on every comma, so write ';' there, e.g. betas=(0.9;0.999)"
         )
     parsed = parse_optim_args(text)
-    resolve_kwargs(args, parsed.kwargs)
+    resolve_kwargs(args, parsed.kwargs, preset=chosen_preset(args, parsed, preset))
     for pattern, keywords in parsed.overrides.items():
         check_override(pattern, keywords)
+    if model is not None:
+        check_patterns(model, [*parsed.overrides, *(overrides or {})])
 
 
 def trainer_decay_parameter_names(model: torch.nn.Module) -> list[str]:
@@ -287,24 +332,38 @@ def _build(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     preset: str | None = None,
 ) -> dict[str, Any]:
-    """Optimizer keywords, with ``params`` (named groups) when a model is given."""
+    """Optimizer keywords, with ``params`` (named groups) when a model is given. Keywords the
+    user set that change none of the groups (``newton_schulz_dtype`` with Shampoo,
+    ``precondition_frequency`` with Muon) are reported with a warning."""
     parsed = parse_optim_args(getattr(args, "optim_args", None))
-    kwargs = resolve_kwargs(args, parsed.kwargs, shampoo_kwargs or {})
-    if model is None:
-        return kwargs
-    if decay_parameter_names is None:
-        decay_parameter_names = trainer_decay_parameter_names(model)
-    all_overrides = {**parsed.overrides, **(overrides or {})}
-    groups_defaults = dict(kwargs)
-    weight_decay = groups_defaults.pop("weight_decay")
-    kwargs["params"] = param_groups(
-        model,
-        preset or parsed.preset or OPTIMIZER_NAMES.get(optim_name(args)) or "transformer",
-        all_overrides,
-        weight_decay=weight_decay,
-        decay_parameter_names=decay_parameter_names,
-        defaults=groups_defaults,
-    )
+    preset = chosen_preset(args, parsed, preset)
+    user = {**parsed.kwargs, **(shampoo_kwargs or {})}
+    kwargs = resolve_kwargs(args, user, preset=preset)
+    groups: list[dict[str, Any]] = [{}]  # the Trainer's groups: the optimizer's keywords
+    if model is not None:
+        if decay_parameter_names is None:
+            decay_parameter_names = trainer_decay_parameter_names(model)
+        groups_defaults = dict(kwargs)
+        weight_decay = groups_defaults.pop("weight_decay")
+        groups = kwargs["params"] = param_groups(
+            model,
+            preset,
+            {**parsed.overrides, **(overrides or {})},
+            weight_decay=weight_decay,
+            decay_parameter_names=decay_parameter_names,
+            defaults=groups_defaults,
+        )
+    base = {k: v for k, v in kwargs.items() if k != "params"}
+    inert = inert_keywords(user, [{**DEFAULTS, **base, **g} for g in groups])
+    if inert:
+        kinds = sorted({g.get("preconditioner", base.get("preconditioner", "shampoo"))
+                        for g in groups})
+        warnings.warn(
+            f"hf_shampoo: {', '.join(map(repr, inert))} (optim_args / shampoo_kwargs) change "
+            f"nothing here: no parameter group's kind uses them (preset {preset!r}, kinds: "
+            f"{', '.join(kinds)})",
+            UserWarning, stacklevel=3,
+        )
     return kwargs
 
 

@@ -1,25 +1,32 @@
 """The Trainer side: ``ShampooCheckpointCallback`` (consolidates the sharded state before
-the Trainer saves on one rank) and ``ShampooTrainer`` (the stable route: it overrides only
-the public ``Trainer.create_optimizer``). Both subclass transformers' classes, so they are
+the Trainer saves on one rank; validates ``optim_args`` against the model when the Trainer
+is built; says when a run ends before the first preconditioner refresh) and
+``ShampooTrainer`` (the stable route: it overrides only the public
+``Trainer.create_optimizer``). Both subclass transformers' classes, so they are
 defined on first use (``classes()``), never by ``import hf_shampoo``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from ...config import STATISTICS_KINDS, start_step
 from ..accelerate import consolidate, find_shampoo
-from ..modules import PRESETS
+from ..modules import check_preset
 from .arguments import (
     OPTIMIZER_NAMES,
+    chosen_preset,
     create_optimizer,
     optim_name,
     parse_optim_args,
     resolve_kwargs,
     validate_args,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def uses_shampoo(args: Any) -> bool:
@@ -61,6 +68,29 @@ def averaged_weights_after_training(optimizer: Any, args: Any, state: Any) -> No
         shampoo.eval()
 
 
+def first_refresh_note(optimizer: Any, max_steps: int) -> str | None:
+    """A line saying that a run of ``max_steps`` steps ends before the first preconditioner
+    refresh (so every step is the grafting method's alone), naming that step and the keyword
+    that moves it; None when some group preconditions within the run, or none ever does
+    (spectral descent and Adam only)."""
+    shampoo = find_shampoo(optimizer) if optimizer is not None else None
+    if shampoo is None or max_steps is None or max_steps <= 0:
+        return None
+    firsts = [(start_step(g), g) for g in shampoo.param_groups
+              if g["preconditioner"] in STATISTICS_KINDS and g["params"]]
+    if not firsts:
+        return None
+    first, group = min(firsts, key=lambda item: item[0])
+    if first <= max_steps:
+        return None
+    key = ("start_preconditioning_step" if group["start_preconditioning_step"] is not None
+           else "precondition_frequency")
+    return (f"hf_shampoo: this run ends at step {max_steps}, before the first preconditioner "
+            f"refresh at step {first}: every step is the grafting method's "
+            f"({group['grafting'] or 'none'}) alone. Set {key} (optim_args \"{key}=N\") "
+            f"to {max_steps} or less to precondition in this run.")
+
+
 _classes: dict[str, type] = {}
 
 
@@ -88,9 +118,14 @@ def classes() -> dict[str, type]:
         (``averaged_weights_after_training``). Other optimizers are left alone.
         """
 
-        def on_init_end(self, args, state, control, **kwargs):
+        def on_init_end(self, args, state, control, model=None, **kwargs):
             if uses_shampoo(args):
-                validate_args(args)
+                validate_args(args, model)
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            note = first_refresh_note(optimizer, state.max_steps)
+            if note and state.is_world_process_zero:
+                logger.warning(note)
 
         def _consolidate_if_saving(self, args, control, optimizer):
             if optimizer is not None and _will_save_optimizer(args, control):
@@ -112,7 +147,7 @@ def classes() -> dict[str, type]:
         ``pop_callback`` / ``add_callback``: the checkpoint callback goes last).
         ``args.optim_args`` is read as Shampoo keywords whatever
         ``args.optim`` says; ``shampoo_kwargs`` (docs/design.md §7 keywords), ``module_overrides``
-        ({pattern: keywords}) and ``preset`` ("transformer", "cnn", "none") win over it.
+        ({pattern: keywords}) and ``preset`` ("transformer", "cnn", "muon", "none") win over it.
         """
 
         def __init__(
@@ -126,11 +161,12 @@ def classes() -> dict[str, type]:
             self.shampoo_kwargs = dict(shampoo_kwargs or {})
             self.module_overrides = dict(module_overrides or {})
             self.shampoo_preset = preset
+            if preset is not None:
+                check_preset(preset)
             super().__init__(*args, **kwargs)
-            parsed = parse_optim_args(self.args.optim_args)
-            resolve_kwargs(self.args, parsed.kwargs, self.shampoo_kwargs)  # fail early
-            if preset is not None and preset not in PRESETS:
-                raise ValueError(f"hf_shampoo: unknown preset {preset!r}; valid: {list(PRESETS)}")
+            validate_args(self.args, self.model, self.module_overrides, preset)  # fail early
+            resolve_kwargs(self.args, parse_optim_args(self.args.optim_args).kwargs,
+                           self.shampoo_kwargs, preset=chosen_preset(self.args, None, preset))
             # last, so that it sees should_save as every other callback left it
             callback = self.pop_callback(ShampooCheckpointCallback) or ShampooCheckpointCallback
             self.add_callback(callback)
