@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 STEPS, SAVE_EVERY = 8, 2
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def env_int(name: str, default: int) -> int:
@@ -253,6 +255,50 @@ def run_accelerate(layout: str, fault: str, out: Path) -> None:
             as_set_up()
             save_state(accelerator, root / f"checkpoint_{step}", safe_serialization=False)
     write_result(out, model, shampoo, resumed_from)
+
+
+def launch(tool: str, layout: str, faults: str, out: Path, nproc: int = 2,
+           restarts: int = 3, timeout: int = 400, **env_extra: str) -> subprocess.CompletedProcess:
+    """This script under ``torchrun --standalone --max-restarts RESTARTS`` in a clean
+    environment (no rank variables, one thread per rank, this checkout first on the path,
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as docs/checkpoints.md advises); the finished
+    process. Used by tests/test_faults.py and benchmarks/fault_table.py."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+               **env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         str(nproc), "--max-restarts", str(restarts), "--monitor-interval", "0.2",
+         str(Path(__file__).resolve()), tool, layout, faults, str(out)],
+        cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
+
+
+def attempts(out: Path) -> list[list[str]]:
+    """``[attempt, world size, checkpoint resumed from or "-"]`` per attempt of the job."""
+    return [line.split() for line in (Path(out) / "attempts.txt").read_text().splitlines()]
+
+
+def differences(got: Path, expected: Path) -> list[str]:
+    """Where two results differ (step, a parameter, an optimizer state tensor); empty when
+    they are equal bit for bit."""
+    a, b = torch.load(got, weights_only=True), torch.load(expected, weights_only=True)
+    found = [] if a["step"] == b["step"] else [f"step {a['step']} != {b['step']}"]
+    if len(a["params"]) != len(b["params"]):
+        return found + ["a different number of parameters"]
+    found += [f"parameter {i}: largest difference {(x - y).abs().max().item():.3g}"
+              for i, (x, y) in enumerate(zip(a["params"], b["params"])) if not torch.equal(x, y)]
+    if a["state"].keys() != b["state"].keys():
+        return found + ["state of different parameters"]
+    for index, entry in b["state"].items():
+        if entry.keys() != a["state"][index].keys():
+            found.append(f"state of parameter {index}: other keys")
+            continue
+        found += [f"state {index}.{key}" for key, tensor in entry.items()
+                  if not torch.equal(a["state"][index][key], tensor)]
+    return found
 
 
 def main(tool: str, layout: str, faults: str, out: str) -> None:

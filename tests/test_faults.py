@@ -17,15 +17,12 @@ user would.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers import ROOT
+from tests.fault_worker import attempts, differences, launch
 
 pytestmark = pytest.mark.slow
 
@@ -33,41 +30,13 @@ CHAOS = "between@3@1,in_step@5@1,in_save@6@0"
 RESUMED = ["-", "checkpoint-2", "checkpoint-4", "checkpoint-4"]  # the Trainer's names
 
 
-def launch(tool: str, layout: str, faults: str, out: Path, nproc: int = 2,
-           restarts: int = 3, timeout: int = 400, **env_extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-               **env_extra)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         str(nproc), "--max-restarts", str(restarts), "--monitor-interval", "0.2",
-         str(ROOT / "tests" / "fault_worker.py"), tool, layout, faults, str(out)],
-        cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
-
-
 def finished(done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
 
 
-def attempts(out: Path) -> list[list[str]]:
-    return [line.split() for line in (out / "attempts.txt").read_text().splitlines()]
-
-
 def assert_same_run(got: Path, expected: Path) -> None:
-    a = torch.load(got, weights_only=True)
-    b = torch.load(expected, weights_only=True)
-    assert a["step"] == b["step"]
-    assert len(a["params"]) == len(b["params"])
-    for x, y in zip(a["params"], b["params"]):
-        assert torch.equal(x, y), (x - y).abs().max()
-    assert a["state"].keys() == b["state"].keys()
-    for index, entry in b["state"].items():
-        assert entry.keys() == a["state"][index].keys()
-        for key, tensor in entry.items():
-            assert torch.equal(a["state"][index][key], tensor), (index, key)
+    found = differences(got, expected)
+    assert not found, found[:10]
 
 
 @pytest.fixture(scope="module")
