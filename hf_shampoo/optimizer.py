@@ -19,7 +19,7 @@ from torch import Tensor
 from . import averaging, pipeline
 from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import layout as checkpoint
-from .checkpoint.consolidate import gather_state
+from .checkpoint.consolidate import gather_state, ranks_accelerate_saves_on
 from .config import (
     DEFAULTS,
     GLOBAL_KEYS,
@@ -564,8 +564,6 @@ class DistributedShampoo(torch.optim.Optimizer):
         """
         with self._own_view():
             if not self._gathered:
-                from .integrations.accelerate import ranks_accelerate_saves_on
-
                 ranks = ranks_accelerate_saves_on()
                 if ranks is not False:
                     self._consolidate_state_dict(ranks)
