@@ -14,7 +14,7 @@ import torch
 
 from hf_shampoo import CheckpointError, DistributedShampoo
 from hf_shampoo.checkpoint import load_sharded, save_sharded
-from hf_shampoo.checkpoint.dcp import read_checked_metadata
+from hf_shampoo.checkpoint.integrity import read_checked_metadata
 from hf_shampoo.checkpoint.integrity import (
     COMPLETE_MARK,
     check_marked,
@@ -164,3 +164,20 @@ def test_trainer_resumes_from_the_newest_whole_checkpoint(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a whole newest checkpoint: no word said
         assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-6")
+
+
+def test_trainer_checkpoint_with_a_cut_short_shard_is_passed_over(tmp_path, saved):
+    """A Trainer checkpoint of FSDP's sharded state (DCP folders) whose shard was cut after
+    the save: refused with the file named."""
+    import shutil
+
+    ckpt, _ = saved
+    trainer_dir = tmp_path / "checkpoint-8"
+    trainer_dir.mkdir()
+    (trainer_dir / "trainer_state.json").write_text("{}")
+    shutil.copytree(ckpt, trainer_dir / "optimizer_0")
+    assert trainer_checkpoint_problem(trainer_dir) is None
+    shard = shard_file(trainer_dir / "optimizer_0")
+    shard.write_bytes(shard.read_bytes()[:10])
+    problem = trainer_checkpoint_problem(trainer_dir)
+    assert str(shard) in problem and "cut short" in problem

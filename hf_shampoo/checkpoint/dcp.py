@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from .integrity import DCP_METADATA, CheckpointError
+from .integrity import CheckpointError, read_checked_metadata
 
 GROUPS_KEY = "param_groups"
 
@@ -67,37 +66,6 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 def save_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
     """Every rank writes its own blocks into ``checkpoint_dir`` (a collective)."""
     dcp.save(flatten(optimizer.local_state_dict()), checkpoint_id=os.fspath(checkpoint_dir))
-
-
-def read_checked_metadata(checkpoint_dir: str | os.PathLike):
-    """The DCP metadata of ``checkpoint_dir``, once every file it refers to is there and long
-    enough; ``CheckpointError`` (naming the file) otherwise."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        raise CheckpointError(root, "there is no such directory")
-    if not (root / DCP_METADATA).is_file():
-        raise CheckpointError(
-            root, f"it has no {DCP_METADATA}, which torch.distributed.checkpoint writes last, "
-            "once every rank has written its shards: its save was cut short",
-            file=root / DCP_METADATA)
-    try:
-        metadata = dcp.FileSystemReader(os.fspath(root)).read_metadata()
-    except Exception as error:  # noqa: BLE001 - any unreadable metadata is the same fault
-        raise CheckpointError(root, f"its {DCP_METADATA} cannot be read ({error})",
-                              file=root / DCP_METADATA) from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, end in sorted(needed.items()):
-        path = root / name
-        if not path.is_file():
-            raise CheckpointError(root, "the shard file is missing", file=path)
-        if path.stat().st_size < end:
-            raise CheckpointError(
-                root, f"the shard file has {path.stat().st_size} bytes where the metadata "
-                f"needs {end}: it was cut short", file=path)
-    return metadata
 
 
 def _read(checkpoint_dir: str | os.PathLike, template: dict[str, Any]) -> None:

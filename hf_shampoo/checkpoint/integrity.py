@@ -30,13 +30,14 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is: missing, cut short or damaged.
 
     ``checkpoint`` is the directory, ``file`` the file at fault (None when the whole
-    directory is); nothing has been loaded when it is raised.
+    directory is), ``problem`` what is wrong; nothing has been loaded when it is raised.
     """
 
     def __init__(self, checkpoint: str | os.PathLike, problem: str,
                  file: str | os.PathLike | None = None, advice: str = ADVICE) -> None:
         self.checkpoint = os.fspath(checkpoint)
         self.file = None if file is None else os.fspath(file)
+        self.problem = problem if file is None else f"{os.fspath(file)}: {problem}"
         where = f"checkpoint {self.checkpoint!r}"
         if self.file is not None:
             where += f", file {self.file!r}"
@@ -95,18 +96,26 @@ def is_marked(checkpoint: str | os.PathLike) -> bool:
 
 def trainer_checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
     """Why the Trainer could not resume from ``checkpoint``, or None when it can: its
-    ``trainer_state.json`` (written last) is missing, or a ``COMPLETE_MARK`` in it does not
-    match its files."""
+    ``trainer_state.json`` (written last) is missing, a ``COMPLETE_MARK`` in it does not
+    match its files, or a folder of DCP shards in it (FSDP's sharded state) is cut short."""
     root = Path(checkpoint)
     if not (root / TRAINER_STATE).is_file():
         return (f"it has no {TRAINER_STATE}, which the Trainer writes last: its save was cut "
                 "short")
-    if (root / COMPLETE_MARK).exists():
-        try:
+    try:
+        if (root / COMPLETE_MARK).exists():
             check_marked(root)
-        except CheckpointError as error:
-            return str(error).split(": ", 1)[-1]
+        check_dcp_folders(root)
+    except CheckpointError as error:
+        return error.problem
     return None
+
+
+def check_dcp_folders(root: str | os.PathLike) -> None:
+    """``dcp.read_checked_metadata`` on every folder under ``root`` that holds DCP shards
+    (``*.distcp``: FSDP's sharded model and optimizer in a Trainer or Accelerate checkpoint)."""
+    for folder in sorted({p.parent for p in Path(root).rglob("*.distcp")}):
+        read_checked_metadata(folder)
 
 
 def newest_complete(parent: str | os.PathLike, pattern: str = r"checkpoint[-_](\d+)",
@@ -131,3 +140,36 @@ def newest_complete(parent: str | os.PathLike, pattern: str = r"checkpoint[-_](\
             continue
         return path, skipped
     return None, skipped
+
+
+def read_checked_metadata(checkpoint_dir: str | os.PathLike):
+    """The DCP metadata of ``checkpoint_dir``, once every file it refers to is there and long
+    enough; ``CheckpointError`` (naming the file) otherwise."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise CheckpointError(root, "there is no such directory")
+    if not (root / DCP_METADATA).is_file():
+        raise CheckpointError(
+            root, f"it has no {DCP_METADATA}, which torch.distributed.checkpoint writes last, "
+            "once every rank has written its shards: its save was cut short",
+            file=root / DCP_METADATA)
+    from torch.distributed.checkpoint import FileSystemReader  # only when a DCP folder is read
+
+    try:
+        metadata = FileSystemReader(os.fspath(root)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any unreadable metadata is the same fault
+        raise CheckpointError(root, f"its {DCP_METADATA} cannot be read ({error})",
+                              file=root / DCP_METADATA) from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(root, "the shard file is missing", file=path)
+        if path.stat().st_size < end:
+            raise CheckpointError(
+                root, f"the shard file has {path.stat().st_size} bytes where the metadata "
+                f"needs {end}: it was cut short", file=path)
+    return metadata
