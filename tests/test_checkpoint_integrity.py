@@ -14,12 +14,12 @@ import torch
 
 from hf_shampoo import CheckpointError, DistributedShampoo
 from hf_shampoo.checkpoint import load_sharded, save_sharded
-from hf_shampoo.checkpoint.integrity import read_checked_metadata
 from hf_shampoo.checkpoint.integrity import (
     COMPLETE_MARK,
     check_marked,
     mark_complete,
     newest_complete,
+    read_checked_metadata,
     trainer_checkpoint_problem,
 )
 
