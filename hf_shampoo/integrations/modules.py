@@ -54,6 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..blocking import expert_shape, merged_shape
 from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, did_you_mean, validate_group
 from ..optimizer import DistributedShampoo
+from ..preconditioners import KINDS
 
 # Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
 # timm's LayerNorm2d) count as well.
@@ -449,7 +450,8 @@ def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]
         return {"inverse_exponent_override": {2: {d: 0 for d in info.vocab_dims}}}
     shape = info.unit_shape
     if (info.shape_role == "matrix" and len(shape) == 2 and min(shape) > 0
-            and effective["preconditioner"] == "shampoo" and effective["quantization"] is None
+            and KINDS[effective["preconditioner"]].diagonal_factors
+            and effective["quantization"] is None
             and effective.get("diagonal_aspect") is None):
         # an adapter (peft's lora_A / lora_B, any aspect) or an adapter-like matrix (long
         # side >= 16x the short one): a full factor on the short side only
@@ -569,11 +571,11 @@ def make_optimizer(
 def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...]) -> str:
     kind = group["preconditioner"]
     override = (group.get("inverse_exponent_override") or {}).get(len(shape))
-    if kind != "diagonal" and isinstance(override, dict):
+    if KINDS[kind].statistics and isinstance(override, dict):
         off = [str(d) for d, e in sorted(override.items()) if e == 0]
         if off:
             kind += f" (dim {','.join(off)} off)"
-    if kind == "shampoo" and (diagonal := diagonal_dims(tuple(shape), group)):
+    if KINDS[kind].diagonal_factors and (diagonal := diagonal_dims(tuple(shape), group)):
         kind += f" (dim {diagonal[0]} diagonal)"
     return kind
 
