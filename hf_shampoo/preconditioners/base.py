@@ -90,6 +90,8 @@ class Preconditioner:
         the keywords some kind declares)."""
         if key in kind_specific:
             return key in {row.name for row in self.own_keywords()}
+        if key == "start_preconditioning_step" and not self.refreshes:
+            return group["grafting"] is not None  # its warm-up is the grafting method alone
         return key not in self.ignores
 
     @classmethod
