@@ -78,7 +78,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"digits MLP, {args.steps} steps of batch {args.batch}, seed {args.seed}: best "
           "validation loss per learning rate")
-    print("| optimizer | " + " | ".join(f"lr {lr:g}" for lr in GRIDS[max(GRIDS, key=lambda k: len(GRIDS[k]))]) + " |")
+    widest = max(GRIDS.values(), key=len)
+    print("| optimizer | " + " | ".join(f"lr {lr:g}" for lr in widest) + " |")
     for name, grid in GRIDS.items():
         cells = [f"{run(name, lr, args.steps, args.batch, args.seed):.3f}" for lr in grid]
         print(f"| {name} | " + " | ".join(cells) + " |")

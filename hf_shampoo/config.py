@@ -107,7 +107,9 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             "Nesterov variant of that momentum")),
     Keyword("weight_decay", 0.0, float, real(0.0), doc=(
             "weight-decay coefficient")),
-    Keyword("weight_decay_type", "decoupled", str, choice("l2", "decoupled", "corrected", "independent"), doc=(
+    Keyword("weight_decay_type", "decoupled", str,
+            choice("l2", "decoupled", "corrected", "independent"),
+            doc=(
             "`\"l2\"` (added to the gradient), `\"decoupled\"` (AdamW-style), `\"corrected\"` "
             "(`wd·lr/peak_lr`), `\"independent\"` (`wd/peak_lr`)")),
     Keyword("use_bias_correction", True, bool, boolean(), doc=(
@@ -132,34 +134,41 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             "`\"shampoo\"` / `\"kl_shampoo\"`. Meta's QR sorts the basis by ascending "
             "eigenvalue after each refresh, which keeps one QR step per refresh from "
             "converging across refreshes: give it `qr_max_iterations` or a tolerance)")),
-    Keyword("grafting", None, str, choice(None, "sgd", "adagrad", "rmsprop", "adam"), scope=scoped('layout'), doc=(
+    Keyword("grafting", None, str, choice(None, "sgd", "adagrad", "rmsprop", "adam"),
+            scope=scoped('layout'), doc=(
             "`None`, `\"sgd\"`, `\"adagrad\"`, `\"rmsprop\"` or `\"adam\"`: whose per-block step "
             "size to use")),
     Keyword("grafting_beta2", 0.999, float, real(0.0, 1.0), doc=(
             "second-moment EMA of `\"rmsprop\"` / `\"adam\"` grafting")),
     Keyword("grafting_epsilon", 1e-8, float, real(0.0, low_open=True), doc=(
             "epsilon of the grafting method")),
-    Keyword("factor_matrix_dtype", torch.float32, torch.dtype, choice(torch.float32, torch.float64), scope=scoped('layout'), doc=(
+    Keyword("factor_matrix_dtype", torch.float32, torch.dtype, choice(torch.float32, torch.float64),
+            scope=scoped('layout'), doc=(
             "dtype of the factor matrices (`torch.float32` or `torch.float64`)")),
-    Keyword("distributed", "auto", str, choice("auto", "none", "ddp", "fsdp"), scope=scoped('global'), doc=(
+    Keyword("distributed", "auto", str, choice("auto", "none", "ddp", "fsdp"),
+            scope=scoped('global'), doc=(
             "`\"auto\"`, `\"none\"`, `\"ddp\"` or `\"fsdp\"` (see [Distributed data-parallel "
             "training](distributed.md) and [Sharded training](sharded.md))")),
     Keyword("fsdp_mode", "lossless", str, choice("lossless", "local"), scope=scoped('global'), doc=(
             "with FSDP2 parameters: `\"lossless\"` (full-parameter blocks, one-process "
             "numbers) or `\"local\"` (blocks of each rank's shard, no extra communication)")),
-    Keyword("communication_dtype", torch.float32, torch.dtype, choice(torch.float32, torch.bfloat16, torch.float16), scope=scoped('global'), doc=(
+    Keyword("communication_dtype", torch.float32, torch.dtype,
+            choice(torch.float32, torch.bfloat16, torch.float16),
+            scope=scoped('global'), doc=(
             "dtype of the all-gathered updates (`float32`, `bfloat16`, `float16`; float32 "
             "is bit-identical to one process)")),
     Keyword("num_trainers_per_group", -1, int, _check_trainers, scope=scoped('global'), doc=(
             "ranks per group that share the blocks (`-1` = whole world)")),
-    Keyword("assignment_cost", "memory", str, choice("memory", "compute"), scope=scoped('global'), doc=(
+    Keyword("assignment_cost", "memory", str, choice("memory", "compute"),
+            scope=scoped('global'), doc=(
             "how blocks are weighed when spread over ranks: `\"memory\"` (the state bytes the"
             " block's kind keeps) or `\"compute\"` (its kind's flops per step)")),
     Keyword("refresh_schedule", "all", str, choice("all", "staggered"), doc=(
             "`\"all\"`: every block refreshes on the same steps; `\"staggered\"`: each block on"
             " its own offset within the `precondition_frequency` window, so no step spikes "
             "(see [Performance](performance.md#refresh_schedulestaggered))")),
-    Keyword("iterate_averaging", None, str, choice(None, "gpa", "schedule_free"), scope=scoped('layout'), doc=(
+    Keyword("iterate_averaging", None, str, choice(None, "gpa", "schedule_free"),
+            scope=scoped('layout'), doc=(
             "`None`, `\"gpa\"` (generalized primal averaging, arXiv 2512.17131; Meta's "
             "`GeneralizedPrimalAveragingConfig`) or `\"schedule_free\"` (arXiv 2405.15682; "
             "Meta's `ScheduleFreeConfig`): the parameters hold the sequence gradients are "
@@ -179,7 +188,9 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
     Keyword("eval_coeff_lr_power", 2, float, real(0.0), doc=(
             "`\"schedule_free\"`: `p` of the weights `lr_t^p` of the running average (`μ_x = "
             "1 − lr_t^p / Σ lr_i^p`)")),
-    Keyword("vector_preconditioner", None, str, choice(*(k for k in KINDS if not KINDS[k].matrix_blocks)), scope=scoped('layout'), doc=(
+    Keyword("vector_preconditioner", None, str,
+            choice(*(k for k in KINDS if not KINDS[k].matrix_blocks)),
+            scope=scoped('layout'), doc=(
             "the kind for the group's *vector-like* parameters (at most one dim larger than"
             " 1: biases, norm weights), chosen inside the group: `None` (the group's "
             "`preconditioner`) or any kind but `\"spectral_descent\"`; `\"diagonal\"` gives "
@@ -390,8 +401,9 @@ def update_keyword_docs(path: str = "docs/keywords.md") -> bool:
     return new != text
 
 
-_DOCS_BEGIN = ("<!-- generated from hf_shampoo/config.py's keyword table (config.keyword_reference()); "
-               "edit the rows there, then run `python -m hf_shampoo.config` -->")
+_DOCS_BEGIN = ("<!-- generated from hf_shampoo/config.py's keyword table "
+               "(config.keyword_reference()); edit the rows there, then run "
+               "`python -m hf_shampoo.config` -->")
 _DOCS_END = "<!-- end of the generated table -->"
 
 if __name__ == "__main__":

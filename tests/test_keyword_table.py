@@ -88,7 +88,8 @@ def test_kinds_own_their_rows():
 def test_no_kind_name_is_branched_on_outside_the_kinds():
     """Outside preconditioners/, code asks the kind (``KINDS[name].refreshes`` ...), never
     compares a group's kind with a name."""
-    pattern = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](%s)["']""" % "|".join(KINDS))
+    names = "|".join(KINDS)
+    pattern = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](""" + names + r""")["']""")
     for path in ["config.py", "pipeline.py", "optimizer.py", *(
             str(p.relative_to(ROOT / "hf_shampoo"))
             for p in (ROOT / "hf_shampoo" / "integrations").rglob("*.py"))]:

@@ -58,7 +58,7 @@ class Preconditioner:
     # (diagonal_aspect), inverse roots (the pseudo-inverse), roots by coupled iterations,
     # roots stored in inv_factor_matrix_dtype; None = 4-bit state exists for it, else why not
     diagonal_factors: bool = False
-    roots: bool = False
+    inverse_roots: bool = False
     coupled_roots: bool = False
     root_dtype: bool = False
     not_quantizable_because: str | None = None
@@ -248,9 +248,10 @@ class KroneckerFactored(Preconditioner):
                  f"{_names(kinds_with('root_dtype'))} without quantization (and has no "
                  "effect with the kinds without statistics): expected None here "
                  f"(preconditioner={kind!r}, quantization={quantization!r})")
-        if group["rank_deficient"] == "pseudo_inverse" and not self.roots:
+        if group["rank_deficient"] == "pseudo_inverse" and not self.inverse_roots:
             fail("rank_deficient", "pseudo_inverse", "the pseudo-inverse is for the inverse "
-                 f"roots of preconditioner {_names(kinds_with('roots'))}: with {kind!r}, "
+                 f"roots of preconditioner {_names(kinds_with('inverse_roots'))}: "
+                 f"with {kind!r}, "
                  "epsilon is the corrected second moment's and must be > 0; expected "
                  "'perturbation' here")
         self._check_root_inverse(group)

@@ -46,7 +46,8 @@ FACTORED_KEYWORDS = (
             "(bases kept by descending eigenvalue, first refresh by eigh, QR steps "
             "`qr(AQ)`, `D` permuted with the basis: with a tolerance, more bases stay "
             "valid; see "
-            "[convergence](benchmarks/convergence.md#convergence-with-metas-eigenvalue-corrected-semantics-kl-shampoo))")),
+            "[convergence](benchmarks/convergence.md#convergence-w"
+            "ith-metas-eigenvalue-corrected-semantics-kl-shampoo))")),
     Keyword("orthogonalization", "householder", str, choice("householder", "cholesky_qr"), doc=(
             "how QR refreshes orthogonalise: `\"householder\"` (LAPACK, Meta's) or "
             "`\"cholesky_qr\"` (shifted Cholesky-QR3: matrix products, a Cholesky "
@@ -73,12 +74,15 @@ FACTORED_KEYWORDS = (
             "`None` → up to the first refresh (`start_preconditioning_step`, by default "
             "`precondition_frequency`), so the first roots are those of 32 bits; `0` → no "
             "warm-up (one sample per refresh from the start)")),
-    Keyword("inverse_exponent_override", None, dict, check_exponent_override, scope=scoped('layout'), doc=(
+    Keyword("inverse_exponent_override", None, dict, check_exponent_override,
+            scope=scoped('layout'), doc=(
             "`{order: e}` or `{order: {dim: e}}` root exponents; `e = 0` leaves a dim "
             "unpreconditioned (default: `1/(2·order)` for `\"shampoo\"`; with "
             "`\"eigenvalue_corrected\"`, `{order: e}` is the exponent of the corrected "
             "eigenvalues, default 0.5, and per-dim entries may only be 0)")),
-    Keyword("inv_factor_matrix_dtype", None, torch.dtype, choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16), scope=scoped('layout'), doc=(
+    Keyword("inv_factor_matrix_dtype", None, torch.dtype,
+            choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16),
+            scope=scoped('layout'), doc=(
             "dtype of Shampoo's inverse roots and of the steady step's preconditioning "
             "products (Meta's option of that name; `None` = `factor_matrix_dtype`; "
             "`torch.bfloat16` / `torch.float16` halve the roots' memory and use the GPU's "
@@ -105,7 +109,8 @@ FACTORED_KEYWORDS = (
             "pseudo-inverse: cutoff relative to the largest eigenvalue; `None` = `d ·` "
             "machine epsilon of the factors' dtype (`torch.linalg.matrix_rank`'s rule: "
             "drops what rounding cannot resolve; what timm's `\"shampoo\"` uses)")),
-    Keyword("root_inverse", "eigh", str, choice("eigh", "coupled_newton", "coupled_higher_order"), doc=(
+    Keyword("root_inverse", "eigh", str, choice("eigh", "coupled_newton", "coupled_higher_order"),
+            doc=(
             "how Shampoo's inverse roots are computed at refreshes (Meta's "
             "`RootInvConfig`): `\"eigh\"` (a symmetric eigendecomposition, `EigenConfig`), "
             "`\"coupled_newton\"` (`CoupledNewtonConfig`: `(A + εI)^(-1/p)` by the coupled "

@@ -43,7 +43,7 @@ def diagonal_dims(shape: tuple[int, ...], group) -> list[int]:
 
 class Shampoo(KroneckerFactored):
     name = "shampoo"
-    roots = coupled_roots = root_dtype = diagonal_factors = True
+    inverse_roots = coupled_roots = root_dtype = diagonal_factors = True
 
     def keeps_basis(self, group: dict) -> bool:
         return group["eigendecomposition"] == "qr" or group["eigenbasis_tolerance"] > 0

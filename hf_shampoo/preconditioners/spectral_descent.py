@@ -31,16 +31,22 @@ def _check_coefficients(key: str, value: Any) -> None:
 
 # torch.optim.Muon's adjust_lr_fn rules on a block of (rows, cols); None: scale 1 (Meta)
 SPECTRAL_KEYWORDS = (
-    Keyword("spectral_orthogonalization", "newton_schulz", str, choice("newton_schulz", "svd"), doc=(
+    Keyword("spectral_orthogonalization", "newton_schulz", str, choice("newton_schulz", "svd"),
+            doc=(
             "spectral descent: `\"newton_schulz\"` or `\"svd\"` (exact `U Vᵀ`)")),
     Keyword("newton_schulz_iterations", 5, int, integer(1), doc=(
             "spectral descent: Newton–Schulz iterations")),
-    Keyword("newton_schulz_coefficients", (3.4445, -4.7750, 2.0315), tuple, _check_coefficients, doc=(
+    Keyword("newton_schulz_coefficients", (3.4445, -4.7750, 2.0315), tuple, _check_coefficients,
+            doc=(
             "spectral descent: `(a, b, c)` of `X ← aX + b(XXᵀ)X + c(XXᵀ)²X` (Muon's)")),
-    Keyword("newton_schulz_dtype", None, torch.dtype, choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16), doc=(
+    Keyword("newton_schulz_dtype", None, torch.dtype,
+            choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16),
+            doc=(
             "spectral descent: dtype of the iteration (`None` = `factor_matrix_dtype`; "
             "`torch.bfloat16` as torch.optim.Muon)")),
-    Keyword("spectral_lr_adjustment", None, str, choice(None, "original", "match_rms_adamw", "spectral_unclamped"), doc=(
+    Keyword("spectral_lr_adjustment", None, str,
+            choice(None, "original", "match_rms_adamw", "spectral_unclamped"),
+            doc=(
             "spectral descent: per-block scale, torch.optim.Muon's `adjust_lr_fn` rules on "
             "`(rows, cols)`: `None` (1, Meta's), `\"original\"`, `\"match_rms_adamw\"`, "
             "`\"spectral_unclamped\"`")),

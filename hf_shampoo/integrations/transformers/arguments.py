@@ -333,8 +333,8 @@ def _build(
     base = {k: v for k, v in kwargs.items() if k != "params"}
     inert = inert_keywords(user, [{**DEFAULTS, **base, **g} for g in groups])
     if inert:
-        kinds = sorted({g.get("preconditioner", base.get("preconditioner", DEFAULTS["preconditioner"]))
-                        for g in groups})
+        default = base.get("preconditioner", DEFAULTS["preconditioner"])
+        kinds = sorted({g.get("preconditioner", default) for g in groups})
         warnings.warn(
             f"hf_shampoo: {', '.join(map(repr, inert))} (optim_args / shampoo_kwargs) change "
             f"nothing here: no parameter group's kind uses them (preset {preset!r}, kinds: "
