@@ -8,6 +8,7 @@ and runs a step as the named stages of ``pipeline.py``, so that nothing is half-
 
 from __future__ import annotations
 
+import inspect
 from collections import ChainMap
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from .config import (
     GLOBAL_KEYS,
     is_elongated,
     refuse_unknown_keywords,
+    signature,
     validate_group,
     vector_settings,
 )
@@ -55,62 +57,17 @@ class DistributedShampoo(torch.optim.Optimizer):
         dampening: float = DEFAULTS["dampening"],
         nesterov: bool = DEFAULTS["nesterov"],
         weight_decay: float = DEFAULTS["weight_decay"],
-        weight_decay_type: str = DEFAULTS["weight_decay_type"],
-        use_bias_correction: bool = DEFAULTS["use_bias_correction"],
-        max_preconditioner_dim: int = DEFAULTS["max_preconditioner_dim"],
-        precondition_frequency: int = DEFAULTS["precondition_frequency"],
-        start_preconditioning_step: int | None = DEFAULTS["start_preconditioning_step"],
-        preconditioner: str = DEFAULTS["preconditioner"],
-        eigendecomposition: str = DEFAULTS["eigendecomposition"],
-        eigenbasis_tolerance: float = DEFAULTS["eigenbasis_tolerance"],
-        qr_max_iterations: int = DEFAULTS["qr_max_iterations"],
-        eigenbasis_variant: str = DEFAULTS["eigenbasis_variant"],
-        orthogonalization: str = DEFAULTS["orthogonalization"],
-        quantization: str | None = DEFAULTS["quantization"],
-        statistics_frequency: int | None = DEFAULTS["statistics_frequency"],
-        statistics_warmup: int | None = DEFAULTS["statistics_warmup"],
-        inverse_exponent_override: dict | None = DEFAULTS["inverse_exponent_override"],
-        grafting: str | None = DEFAULTS["grafting"],
-        grafting_beta2: float = DEFAULTS["grafting_beta2"],
-        grafting_epsilon: float = DEFAULTS["grafting_epsilon"],
-        factor_matrix_dtype: torch.dtype = DEFAULTS["factor_matrix_dtype"],
-        inv_factor_matrix_dtype: torch.dtype | None = DEFAULTS["inv_factor_matrix_dtype"],
-        distributed: str = DEFAULTS["distributed"],
-        fsdp_mode: str = DEFAULTS["fsdp_mode"],
-        communication_dtype: torch.dtype = DEFAULTS["communication_dtype"],
-        num_trainers_per_group: int = DEFAULTS["num_trainers_per_group"],
-        assignment_cost: str = DEFAULTS["assignment_cost"],
-        refresh_schedule: str = DEFAULTS["refresh_schedule"],
-        spectral_orthogonalization: str = DEFAULTS["spectral_orthogonalization"],
-        newton_schulz_iterations: int = DEFAULTS["newton_schulz_iterations"],
-        newton_schulz_coefficients: tuple[float, float, float] = DEFAULTS[
-            "newton_schulz_coefficients"],
-        newton_schulz_dtype: torch.dtype | None = DEFAULTS["newton_schulz_dtype"],
-        spectral_lr_adjustment: str | None = DEFAULTS["spectral_lr_adjustment"],
-        sign_scale: str | None = DEFAULTS["sign_scale"],
-        check_finite_gradients: bool = DEFAULTS["check_finite_gradients"],
-        compile: bool | dict = DEFAULTS["compile"],
-        vector_preconditioner: str | None = DEFAULTS["vector_preconditioner"],
-        diagonal_aspect: float | None = DEFAULTS["diagonal_aspect"],
-        experts: bool = DEFAULTS["experts"],
-        rank_deficient: str = DEFAULTS["rank_deficient"],
-        rank_atol: float = DEFAULTS["rank_atol"],
-        rank_rtol: float | None = DEFAULTS["rank_rtol"],
-        root_inverse: str = DEFAULTS["root_inverse"],
-        root_max_iterations: int = DEFAULTS["root_max_iterations"],
-        root_tolerance: float | None = DEFAULTS["root_tolerance"],
-        root_order: int = DEFAULTS["root_order"],
-        root_rel_epsilon: float = DEFAULTS["root_rel_epsilon"],
-        root_abs_epsilon: float | None = DEFAULTS["root_abs_epsilon"],
-        iterate_averaging: str | None = DEFAULTS["iterate_averaging"],
-        eval_interp_coeff: float = DEFAULTS["eval_interp_coeff"],
-        train_interp_coeff: float = DEFAULTS["train_interp_coeff"],
-        eval_coeff_lr_power: float = DEFAULTS["eval_coeff_lr_power"],
-        **unknown: Any,
+        **keywords: Any,
     ) -> None:
+        """The common keywords by position or name, every other keyword of the table
+        (``config.TABLE``, docs/keywords.md) by name; ``__init__.__signature__`` lists them
+        all."""
+        unknown = {key: value for key, value in keywords.items() if key not in DEFAULTS}
         if unknown:
             refuse_unknown_keywords(unknown, "DistributedShampoo()")
-        defaults = {key: value for key, value in locals().items() if key in DEFAULTS}
+        defaults = {**DEFAULTS, "lr": lr, "betas": betas, "beta3": beta3, "epsilon": epsilon,
+                    "momentum": momentum, "dampening": dampening, "nesterov": nesterov,
+                    "weight_decay": weight_decay, **keywords}
         for key in ("betas", "newton_schulz_coefficients"):
             if isinstance(defaults[key], list):
                 defaults[key] = tuple(defaults[key])
@@ -133,6 +90,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._in_own_view = False
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
+
+    __init__.__signature__ = signature().replace(parameters=[  # type: ignore[attr-defined]
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *signature().parameters.values()])
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -54,6 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..blocking import expert_shape, merged_shape
 from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, did_you_mean, validate_group
 from ..optimizer import DistributedShampoo
+from ..preconditioners import KINDS
 
 # Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
 # timm's LayerNorm2d) count as well.
@@ -449,7 +450,8 @@ def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]
         return {"inverse_exponent_override": {2: {d: 0 for d in info.vocab_dims}}}
     shape = info.unit_shape
     if (info.shape_role == "matrix" and len(shape) == 2 and min(shape) > 0
-            and effective["preconditioner"] == "shampoo" and effective["quantization"] is None
+            and KINDS[effective["preconditioner"]].diagonal_factors
+            and effective["quantization"] is None
             and effective.get("diagonal_aspect") is None):
         # an adapter (peft's lora_A / lora_B, any aspect) or an adapter-like matrix (long
         # side >= 16x the short one): a full factor on the short side only
@@ -539,6 +541,11 @@ def param_groups(
     return list(groups.values())
 
 
+# What make_optimizer(defaults="adamw") sets over the class's (Meta's) defaults, so that
+# AdamW's learning rate works (docs/hyperparameters.md; benchmarks/digits_defaults.py)
+ADAMW_DEFAULTS: dict[str, Any] = {"grafting": "adam", "betas": (0.9, 0.999)}
+
+
 def make_optimizer(
     model: nn.Module,
     preset: str | Preset = "transformer",
@@ -546,12 +553,25 @@ def make_optimizer(
     *,
     decay_parameter_names: Iterable[str] | None = None,
     vocab_size: int | None = None,
+    defaults: str = "adamw",
     **shampoo_kwargs: Any,
 ) -> DistributedShampoo:
     """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in docs/design.md §7.
 
-    ``weight_decay`` among them applies to the decayed parameters only.
+    ``weight_decay`` among them applies to the decayed parameters only. ``defaults="adamw"``
+    (the default) takes AdamW's learning rate: Adam grafting (``grafting="adam"``) and
+    AdamW's betas ``(0.9, 0.999)`` unless given, as the Trainer does (``ADAMW_DEFAULTS``;
+    presets of spectral descent, ``"muon"``, set their own grafting and keep the class's
+    defaults); ``defaults="meta"`` keeps the class's, which are Meta's (no grafting,
+    ``betas=(0.9, 1.0)``), whose learning rate lives on another scale.
     """
+    if defaults not in ("adamw", "meta"):
+        raise ValueError(f"hf_shampoo: make_optimizer defaults={defaults!r}; expected 'adamw' "
+                         f"(AdamW's learning rate) or 'meta' (Meta's defaults)"
+                         f"{did_you_mean(defaults, ('adamw', 'meta'))}")
+    chosen = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
+    if defaults == "adamw" and not getattr(chosen, "spectral_roles", None):
+        shampoo_kwargs = {**ADAMW_DEFAULTS, **shampoo_kwargs}
     weight_decay = shampoo_kwargs.pop("weight_decay", 0.0)
     groups = param_groups(
         model,
@@ -567,15 +587,15 @@ def make_optimizer(
 
 # ---------------------------------------------------------------------- describe
 def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...]) -> str:
-    kind = group["preconditioner"]
+    kind, label = KINDS[group["preconditioner"]], group["preconditioner"]
     override = (group.get("inverse_exponent_override") or {}).get(len(shape))
-    if kind != "diagonal" and isinstance(override, dict):
+    if kind.statistics and isinstance(override, dict):
         off = [str(d) for d, e in sorted(override.items()) if e == 0]
         if off:
-            kind += f" (dim {','.join(off)} off)"
-    if kind == "shampoo" and (diagonal := diagonal_dims(tuple(shape), group)):
-        kind += f" (dim {diagonal[0]} diagonal)"
-    return kind
+            label += f" (dim {','.join(off)} off)"
+    if kind.diagonal_factors and (diagonal := diagonal_dims(tuple(shape), group)):
+        label += f" (dim {diagonal[0]} diagonal)"
+    return label
 
 
 def _blocks_label(shapes: list[tuple[int, ...]]) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from ..optimizer import DistributedShampoo
+from ..preconditioners import KINDS
 
 # timm keeps only the part of `opt` after its last underscore ("lookahead_shampoo" is
 # Lookahead around "shampoo"), so these names must not contain one.
@@ -195,7 +196,8 @@ def timm_param_groups(
             base = group.get("lr", lr)
             group["initial_lr"] = base
             group["lr"] = base * group["lr_scale"]
-        if group.get("preconditioner") == "diagonal":
+        kind = KINDS.get(group.get("preconditioner"))  # type: ignore[arg-type]
+        if kind is not None and kind.needs_grafting:  # "diagonal": grafting is its direction
             group.setdefault("grafting", diagonal_grafting)
         params = group["params"]
         group["params"] = [params] if isinstance(params, Tensor) else list(params)

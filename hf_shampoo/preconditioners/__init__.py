@@ -1,8 +1,10 @@
 """Preconditioner kinds, one module each, behind the interface of ``base.Preconditioner``.
 
 ``KINDS`` maps the ``preconditioner`` keyword's values to the kinds; ``kind_of(group)``
-picks a group's. A new kind is a module here, an entry below and its name in
-``config.PRECONDITIONERS``.
+picks a group's. A kind owns its configuration (its keyword rows, cross-keyword rules,
+refreshes, start step, exponents: ``base.Preconditioner``), so a new kind is a module here
+and one entry in ``KINDS`` below; ``config.py`` builds the keyword table from them
+(docs/design.md §7).
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ calls, in this order: ``update_statistics`` (factor matrices), ``refresh`` for t
 whose amortized computation is due, ``after_refresh`` (statistics kept in the refreshed
 basis), then ``precondition`` of the filtered gradient. Grafting, weight decay and momentum
 are the shared ``stages``.
+
+A kind also owns its configuration (docs/design.md §7): the keyword rows it introduces
+(``keywords``, gathered over its classes by ``own_keywords``), the common keywords it
+ignores, its cross-keyword rules (``check``), whether it refreshes, its start step and its
+exponents. ``config.py`` joins the kinds' rows with the common ones into the keyword table.
 """
 
 from __future__ import annotations
@@ -16,9 +21,21 @@ import math
 import torch
 from torch import Tensor
 
-from ..config import dim_exponents
+from ..keywords import Keyword, fail
 from ..kronecker import update_factor
 from ..stages import Scratch
+from .factored_keywords import FACTORED_KEYWORDS
+
+
+def kinds_with(attribute: str) -> list[str]:
+    """The registered kinds' names whose ``attribute`` is true (for messages)."""
+    from . import KINDS  # the registry imports the kinds: read it when a rule fails
+
+    return [name for name, kind in KINDS.items() if getattr(kind, attribute)]
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(map(repr, names))
 
 
 class Preconditioner:
@@ -32,10 +49,103 @@ class Preconditioner:
     matrix_blocks: bool = False
     # whether the kind has an amortized computation (refresh steps, a staggered schedule)
     refreshes: bool = True
+    # whether the direction needs a grafting method to exist ("diagonal": it is the grafting
+    # direction), so that vector_preconditioner gives it Adam grafting when a group has none
+    needs_grafting: bool = False
+    # whether it keeps Kronecker-factor statistics (the statistics keywords act on it)
+    statistics: bool = False
+    # what it can do, for the rules on the statistics keywords: a diagonal long side
+    # (diagonal_aspect), inverse roots (the pseudo-inverse), roots by coupled iterations,
+    # roots stored in inv_factor_matrix_dtype; None = 4-bit state exists for it, else why not
+    diagonal_factors: bool = False
+    inverse_roots: bool = False
+    coupled_roots: bool = False
+    root_dtype: bool = False
+    not_quantizable_because: str | None = None
+    # the Trainer's AdamW migration: True for a kind whose own epsilon is Adam's and which
+    # is not grafted by default there (SOAP)
+    adam_like: bool = False
+    # the keyword rows this class introduces (subclasses inherit them: ``own_keywords``)
+    keywords: tuple[Keyword, ...] = ()
+    # common keywords that change nothing for this kind
+    ignores: frozenset[str] = frozenset({"epsilon", "precondition_frequency",
+                                         "refresh_schedule", "start_preconditioning_step"})
+
+    @property
+    def quantizable(self) -> bool:
+        """Whether 4-bit state exists for this kind."""
+        return self.statistics and self.not_quantizable_because is None
+
+    @classmethod
+    def own_keywords(cls) -> tuple[Keyword, ...]:
+        """The kind-specific rows this kind reads (its classes' ``keywords``)."""
+        rows: dict[str, Keyword] = {}
+        for klass in reversed(cls.__mro__):
+            for row in vars(klass).get("keywords", ()):
+                rows[row.name] = row
+        return tuple(rows.values())
+
+    def acts(self, key: str, group: dict, kind_specific: frozenset[str]) -> bool:
+        """Whether ``key`` changes anything for this kind in ``group`` (``kind_specific``:
+        the keywords some kind declares)."""
+        if key in kind_specific:
+            return key in {row.name for row in self.own_keywords()}
+        if key == "start_preconditioning_step" and not self.refreshes:
+            return group["grafting"] is not None  # its warm-up is the grafting method alone
+        return key not in self.ignores
+
+    @classmethod
+    def start_step(cls, group: dict) -> int:
+        """The first preconditioned step ``s``: ``start_preconditioning_step``, else
+        ``precondition_frequency`` for a kind that refreshes, 1 for one that does not
+        (it has nothing to accumulate first)."""
+        start = group["start_preconditioning_step"]
+        if start is None:
+            return group["precondition_frequency"] if cls.refreshes else 1
+        return int(start)
+
+    def exponents(self, group: dict, order: int) -> list[float]:
+        """Exponent ``e_j`` of each dim of a block of this order (0 leaves the dim alone)."""
+        return [0.0] * order
+
+    def check(self, group: dict) -> None:
+        """Raise ``ValueError`` for a cross-keyword rule ``group`` breaks (its rows are
+        valid on their own). These rules hold whatever the kind."""
+        start, f = group["start_preconditioning_step"], group["precondition_frequency"]
+        if start is not None and self.refreshes and start < f:
+            fail("start_preconditioning_step", start,
+                 f"expected None or an integer >= precondition_frequency ({f})")
+        mode, epsilon = group["rank_deficient"], group["epsilon"]
+        if mode == "perturbation" and not epsilon > 0:
+            fail("epsilon", epsilon, "expected a finite real number > 0.0")
+        if mode == "pseudo_inverse" and epsilon != 0:
+            fail("epsilon", epsilon, "expected 0.0 with rank_deficient='pseudo_inverse' (the "
+                 "pseudo-inverse drops the directions at or below the rank cutoff instead "
+                 "of adding epsilon)")
+        quantized = group["quantization"] == "4bit"
+        for key, what in (("statistics_frequency", "how often 4-bit factors are sampled"),
+                          ("statistics_warmup", "how many first steps sample every gradient "
+                                                "into 4-bit factors")):
+            if not quantized and group[key] is not None:
+                fail(key, group[key], f"it sets {what}: expected None unless "
+                     "quantization='4bit' (32-bit factors take every gradient)")
+        every = group["statistics_frequency"]
+        if quantized and every is not None and f % every != 0:
+            fail("statistics_frequency", every,
+                 f"expected None or a divisor of precondition_frequency ({f})")
+        if quantized and group["factor_matrix_dtype"] != torch.float32:
+            fail("quantization", "4bit", "4-bit state keeps its eigenvalues in float32: "
+                 "factor_matrix_dtype must be torch.float32")
+        aspect = group["diagonal_aspect"]
+        if aspect is not None and not (self.diagonal_factors and not quantized):
+            fail("diagonal_aspect", aspect, "a diagonal long side exists for preconditioner="
+                 f"{_names(kinds_with('diagonal_factors'))} without quantization: expected "
+                 f"None here (preconditioner={group['preconditioner']!r}, "
+                 f"quantization={group['quantization']!r})")
 
     def preconditioned_dims(self, group: dict, order: int) -> list[int]:
         """Dims with a Kronecker factor."""
-        return [j for j, e in enumerate(dim_exponents(group, order)) if e != 0]
+        return [j for j, e in enumerate(self.exponents(group, order)) if e != 0]
 
     def step_flops(self, shape: tuple[int, ...], group: dict) -> float:
         """What one block of this shape costs its owner per step, in floating-point
@@ -100,6 +210,75 @@ class Preconditioner:
 class KroneckerFactored(Preconditioner):
     """Kinds with a factor matrix ``F_j = β2 F_j + (1-β2) X_(j) X_(j)ᵀ`` per dim
     (docs/design.md §2)."""
+
+    statistics = True
+    keywords = FACTORED_KEYWORDS
+    ignores = frozenset()
+
+    def default_exponent(self, order: int) -> float:
+        """A dim's exponent without ``inverse_exponent_override``: ``1/(2k)``."""
+        return 1.0 / (2 * order)
+
+    # whether ``{order: e}`` (no per-dim dict) sets the dims' exponents
+    scalar_override_sets_dims: bool = True
+
+    def exponents(self, group: dict, order: int) -> list[float]:
+        """``default_exponent`` unless ``inverse_exponent_override`` says otherwise."""
+        override = (group["inverse_exponent_override"] or {}).get(order)
+        default = self.default_exponent(order)
+        if isinstance(override, dict):
+            return [float(override.get(j, default)) for j in range(order)]
+        if override is not None and self.scalar_override_sets_dims:
+            return [float(override)] * order
+        return [default] * order
+
+    def check(self, group: dict) -> None:
+        """The rules of the statistics keywords: 4-bit state, root dtype, pseudo-inverse and
+        coupled root iterations where the kind has them."""
+        super().check(group)
+        kind, quantization = group["preconditioner"], group["quantization"]
+        if quantization == "4bit" and self.not_quantizable_because:
+            fail("quantization", "4bit", "4-bit state exists for preconditioner "
+                 f"{_names(kinds_with('quantizable'))} (and has no effect with the kinds "
+                 f"without statistics), not for {kind!r}: {self.not_quantizable_because}")
+        if group["inv_factor_matrix_dtype"] is not None and not (
+                self.root_dtype and quantization is None):
+            fail("inv_factor_matrix_dtype", group["inv_factor_matrix_dtype"],
+                 "it sets the dtype of the inverse roots of preconditioner="
+                 f"{_names(kinds_with('root_dtype'))} without quantization (and has no "
+                 "effect with the kinds without statistics): expected None here "
+                 f"(preconditioner={kind!r}, quantization={quantization!r})")
+        if group["rank_deficient"] == "pseudo_inverse" and not self.inverse_roots:
+            fail("rank_deficient", "pseudo_inverse", "the pseudo-inverse is for the inverse "
+                 f"roots of preconditioner {_names(kinds_with('inverse_roots'))}: "
+                 f"with {kind!r}, "
+                 "epsilon is the corrected second moment's and must be > 0; expected "
+                 "'perturbation' here")
+        self._check_root_inverse(group)
+
+    def _check_root_inverse(self, group: dict) -> None:
+        """The coupled iterations need integer roots and compute the roots alone (no
+        eigenvectors: no QR, criterion, 4-bit or pseudo-inverse)."""
+        solver = group["root_inverse"]
+        if solver == "eigh":
+            return
+        where = f"root_inverse={solver!r} computes inverse roots by matrix products"
+        if not self.coupled_roots:
+            fail("root_inverse", solver, f"{where}, for preconditioner "
+                 f"{' or '.join(map(repr, kinds_with('coupled_roots')))}: expected 'eigh' "
+                 f"with {group['preconditioner']!r}")
+        for key, plain in (("quantization", None), ("eigendecomposition", "eigh"),
+                           ("eigenbasis_tolerance", 0.0), ("rank_deficient", "perturbation")):
+            if group[key] != plain:
+                fail(key, group[key], f"{where} and keeps no eigenvectors or eigenvalues: "
+                     f"expected {plain!r} with it")
+        for order, entry in (group["inverse_exponent_override"] or {}).items():
+            exponents = entry.values() if isinstance(entry, dict) else [entry]
+            for e in exponents:
+                if e != 0 and abs(1 / e - round(1 / e)) > 1e-9:
+                    fail("inverse_exponent_override", group["inverse_exponent_override"],
+                         f"{where}: every exponent must be 1/p for an integer p (or 0), "
+                         f"got {e} for order {order}")
 
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = {}

@@ -13,6 +13,7 @@ from .base import Preconditioner
 class Diagonal(Preconditioner):
     name = "diagonal"
     grafted = False  # the direction already is the grafting direction
+    needs_grafting = True
 
     def preconditioned_dims(self, group: dict, order: int) -> list[int]:
         return []

@@ -22,14 +22,14 @@ import torch
 from torch import Tensor
 
 from .. import eigenbasis, linalg
-from ..config import dim_exponents
 from . import refresh as common
-from .kl_shampoo import KLShampoo
+from .kl_shampoo import NOT_QUANTIZABLE, KLShampoo
 from .shampoo import Shampoo
 
 
 class EigendecomposedShampoo(Shampoo):
     name = "eigendecomposed_shampoo"
+    coupled_roots = root_dtype = diagonal_factors = False
 
     def keeps_basis(self, group: dict) -> bool:
         return True
@@ -69,7 +69,7 @@ class EigendecomposedShampoo(Shampoo):
             picked.put(state[f"eigenvalues_{j}"], done, values)
             if len(done):
                 lam, cutoff = linalg.stabilized_eigenvalues(values, group)
-                exponent = dim_exponents(group, stack.order)[j]
+                exponent = self.exponents(group, stack.order)[j]
                 root = state[f"inverse_root_{j}"]
                 picked.put(root, done, linalg.inverse_root_from_eigen(
                     lam, basis.contiguous(), exponent, cutoff=cutoff).to(root.dtype))
@@ -106,4 +106,5 @@ class EigendecomposedShampoo(Shampoo):
 
 class EigendecomposedKLShampoo(EigendecomposedShampoo):
     name = "eigendecomposed_kl_shampoo"
+    not_quantizable_because = NOT_QUANTIZABLE
     statistics_input = KLShampoo.statistics_input

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import eigenbasis, linalg
-from ..config import corrected_exponent
+from ..keywords import fail
 from ..kronecker import multi_mode_product
 from ..stages import Scratch, second_moment_bias
 from . import refresh as common
@@ -27,6 +27,35 @@ from .base import KroneckerFactored
 
 class EigenvalueCorrected(KroneckerFactored):
     name = "eigenvalue_corrected"
+    adam_like = True  # its epsilon is Adam's; the Trainer does not graft it by default
+    scalar_override_sets_dims = False  # {order: e}: the corrected eigenvalues' exponent
+
+    def default_exponent(self, order: int) -> float:
+        """1.0 marks a rotated dim (0: a dim that keeps the identity basis)."""
+        return 1.0
+
+    @staticmethod
+    def corrected_exponent(group: dict, order: int) -> float:
+        """The exponent applied to ``D / bc2`` (0.5 unless overridden)."""
+        override = (group["inverse_exponent_override"] or {}).get(order)
+        return 0.5 if override is None or isinstance(override, dict) else float(override)
+
+    def check(self, group: dict) -> None:
+        """Per-dim exponents may only be 0; 4-bit state without a warm-up needs a cadence."""
+        super().check(group)
+        for entry in (group["inverse_exponent_override"] or {}).values():
+            if isinstance(entry, dict) and any(e != 0 for e in entry.values()):
+                fail("inverse_exponent_override", group["inverse_exponent_override"],
+                     "with preconditioner='eigenvalue_corrected' a per-dim entry may only "
+                     "be 0 (that dim keeps the identity basis); {order: e} sets the exponent "
+                     "of the corrected eigenvalues (default 0.5)")
+        if (group["quantization"] == "4bit" and group["statistics_frequency"] is None
+                and group["statistics_warmup"] == 0):
+            fail("statistics_frequency", None, "4-bit eigenvalue-corrected Shampoo without a "
+                 "warm-up (statistics_warmup=0) needs an explicit sample cadence: with "
+                 "samples at refresh steps only, one sampled gradient gives rank-deficient "
+                 "factors whose arbitrary eigenbasis meets D's zero entries (it diverged on "
+                 "a small CNN; docs/benchmarks/memory.md)")
 
     def keeps_basis(self, group: dict) -> bool:
         return True
@@ -110,7 +139,7 @@ class EigenvalueCorrected(KroneckerFactored):
         group = job.group
         bases = self.bases(stack, job, scratch)
         rotated = _rotate(filtered, bases, True, scratch("rotated"), scratch("scratch"))
-        exponent = corrected_exponent(group, stack.order)
+        exponent = self.corrected_exponent(group, stack.order)
         bias2 = second_moment_bias(group, job.step)
         scaled = torch.div(job.state["corrected_eigenvalues"], bias2, out=scratch("graft"))
         scaled = linalg.power(scaled, exponent, in_place=True)

@@ -13,9 +13,14 @@ from torch import Tensor
 from ..kronecker import multi_mode_product
 from .shampoo import Shampoo
 
+NOT_QUANTIZABLE = ("4-bit factors are rebuilt from sampled raw gradients, KL-Shampoo's take "
+                   "every step's gradient preconditioned by the current roots")
+
 
 class KLShampoo(Shampoo):
     name = "kl_shampoo"
+    root_dtype = diagonal_factors = False
+    not_quantizable_because = NOT_QUANTIZABLE
 
     def statistics_input(self, state: dict, group: dict, g: Tensor, dim: int, order: int,
                          rows: list[int] | None = None) -> Tensor:

@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from .. import eigenbasis, linalg, quantization
-from ..config import dim_exponents, start_step
 from ..kronecker import update_factor
 from ..stages import Scratch, second_moment_bias
 from . import refresh as common
@@ -104,18 +103,18 @@ class QuantizedFactors:
         """The step on a row's own schedule (the step minus its refresh offset)."""
         return job.step - (job.offsets[row] if job.offsets else 0)
 
-    @staticmethod
-    def warmup_steps(group: dict) -> int:
+    @classmethod
+    def warmup_steps(cls, group: dict) -> int:
         """How many first steps of a block's schedule sample every gradient
         (``statistics_warmup``; None: up to the first refresh)."""
         warmup = group["statistics_warmup"]
-        return start_step(group) if warmup is None else warmup
+        return cls.start_step(group) if warmup is None else warmup
 
     def previous_sample(self, group: dict, t: int) -> int:
         """The step (of a block's own schedule) of its last sample before ``t``; 0: none.
         Samples: every step of the warm-up, every ``statistics_frequency`` steps and at the
         refresh steps."""
-        every, start = self.sample_every(group), start_step(group)
+        every, start = self.sample_every(group), self.start_step(group)
         previous = max(every * ((t - 1) // every), start if start < t else 0)
         if t - 1 <= self.warmup_steps(group):
             previous = max(previous, t - 1)
@@ -268,7 +267,7 @@ class QuantizedShampoo(QuantizedFactors, Shampoo):
             if len(done) == 0:
                 continue
             lam, cutoff = linalg.stabilized_eigenvalues(values / bias2 + group["epsilon"], group)
-            exponent = dim_exponents(group, stack.order)[j]
+            exponent = self.exponents(group, stack.order)[j]
             root = linalg.inverse_root_from_eigen(lam, vectors.contiguous(), exponent,
                                                   cutoff=cutoff)
             diagonal = root.diagonal(dim1=-2, dim2=-1).clone()

@@ -15,15 +15,35 @@ from __future__ import annotations
 from torch import Tensor
 
 from .. import linalg, root_solvers
-from ..config import diagonal_dims, dim_exponents
 from ..kronecker import multi_mode_product
 from ..stages import Scratch
 from . import refresh as common
 from .base import KroneckerFactored
 
 
+def is_elongated(shape: tuple[int, ...], group) -> bool:
+    """A matrix whose long side is at least ``diagonal_aspect`` times the short one: it is
+    blocked as a matrix (never merged into one dim), so that its long side can be diagonal."""
+    aspect = group.get("diagonal_aspect")
+    if aspect is None or len(shape) != 2 or min(shape) == 0:
+        return False
+    return max(shape) >= aspect * min(shape)
+
+
+def diagonal_dims(shape: tuple[int, ...], group) -> list[int]:
+    """The dim of a matrix block whose factor is kept diagonal (``diagonal_aspect``): the
+    long side, where it is at least ``diagonal_aspect`` times the short one (a LoRA
+    adapter's ``d × r``); none for other blocks or without ``diagonal_aspect``."""
+    aspect = group.get("diagonal_aspect")
+    if aspect is None or len(shape) != 2:
+        return []
+    long = 0 if shape[0] >= shape[1] else 1
+    return [long] if shape[long] >= aspect * shape[1 - long] else []
+
+
 class Shampoo(KroneckerFactored):
     name = "shampoo"
+    inverse_roots = coupled_roots = root_dtype = diagonal_factors = True
 
     def keeps_basis(self, group: dict) -> bool:
         return group["eigendecomposition"] == "qr" or group["eigenbasis_tolerance"] > 0
@@ -60,7 +80,7 @@ class Shampoo(KroneckerFactored):
         for plan in common.plan_dims(job, diagonal, picked, workspace):
             # a diagonal matrix: the entries of A + εI are its eigenvalues, no decomposition
             lam, cutoff = linalg.stabilized_eigenvalues(plan.matrix + group["epsilon"], group)
-            exponent = dim_exponents(group, stack.order)[plan.dim]
+            exponent = self.exponents(group, stack.order)[plan.dim]
             root = job.state[f"inverse_root_{plan.dim}"]
             inverse = linalg.drop_at_cutoff(lam.pow(-exponent), lam, cutoff)
             picked.put(root, plan.todo, inverse.to(root.dtype))
@@ -86,7 +106,7 @@ class Shampoo(KroneckerFactored):
         """``I_j`` of every refreshing row by Meta's coupled Newton or higher-order
         iteration (root_solvers.py); a failed matrix keeps its previous root."""
         group = job.group
-        exponent = dim_exponents(group, stack.order)[plan.dim]
+        exponent = self.exponents(group, stack.order)[plan.dim]
         p = round(1 / exponent)
         iterations, tolerance = group["root_max_iterations"], group["root_tolerance"]
         if group["root_inverse"] == "coupled_newton":
@@ -120,7 +140,7 @@ class Shampoo(KroneckerFactored):
             return
         lam, cutoff = linalg.stabilized_eigenvalues(
             new.values if len(local) == n else new.values[local], group)
-        exponent = dim_exponents(group, stack.order)[plan.dim]
+        exponent = self.exponents(group, stack.order)[plan.dim]
         root = state[f"inverse_root_{plan.dim}"]
         scaled = workspace.get("refresh_scaled", vectors.shape, vectors.dtype, device)
         if not vectors.is_contiguous():  # column-major from eigh: keep its layout

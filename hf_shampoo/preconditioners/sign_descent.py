@@ -10,12 +10,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..keywords import Keyword, choice
 from .base import Preconditioner
+
+# sign descent's scale: None = 1 (Meta's default); "l1" = the block's ‖Ĝ‖₁
+SIGN_KEYWORDS = (
+    Keyword("sign_scale", None, str, choice(None, "l1"), doc=(
+            "sign descent: `None` (scale 1) or `\"l1\"` (the block's `‖Ĝ‖₁`: steepest descent"
+            " under the L∞ norm)")),
+)
 
 
 class SignDescent(Preconditioner):
     name = "sign_descent"
     refreshes = False
+    keywords = SIGN_KEYWORDS
 
     def preconditioned_dims(self, group: dict, order: int) -> list[int]:
         return []

@@ -12,17 +12,52 @@ state of its own; momentum is the filtered gradient (``betas[0]``, ``beta3`` for
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from ..keywords import Keyword, choice, fail, integer, is_real
 from ..orthogonalization import lr_adjustment, newton_schulz, svd_orthogonalize
 from .base import Preconditioner
+
+
+def _check_coefficients(key: str, value: Any) -> None:
+    if not (isinstance(value, (tuple, list)) and len(value) == 3
+            and all(is_real(c) for c in value)):
+        fail(key, value, "expected three finite real numbers (a, b, c) of the quintic "
+             "iteration X <- aX + b(XX^T)X + c(XX^T)^2 X")
+
+
+# torch.optim.Muon's adjust_lr_fn rules on a block of (rows, cols); None: scale 1 (Meta)
+SPECTRAL_KEYWORDS = (
+    Keyword("spectral_orthogonalization", "newton_schulz", str, choice("newton_schulz", "svd"),
+            doc=(
+            "spectral descent: `\"newton_schulz\"` or `\"svd\"` (exact `U Vᵀ`)")),
+    Keyword("newton_schulz_iterations", 5, int, integer(1), doc=(
+            "spectral descent: Newton–Schulz iterations")),
+    Keyword("newton_schulz_coefficients", (3.4445, -4.7750, 2.0315), tuple, _check_coefficients,
+            doc=(
+            "spectral descent: `(a, b, c)` of `X ← aX + b(XXᵀ)X + c(XXᵀ)²X` (Muon's)")),
+    Keyword("newton_schulz_dtype", None, torch.dtype,
+            choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16),
+            doc=(
+            "spectral descent: dtype of the iteration (`None` = `factor_matrix_dtype`; "
+            "`torch.bfloat16` as torch.optim.Muon)")),
+    Keyword("spectral_lr_adjustment", None, str,
+            choice(None, "original", "match_rms_adamw", "spectral_unclamped"),
+            doc=(
+            "spectral descent: per-block scale, torch.optim.Muon's `adjust_lr_fn` rules on "
+            "`(rows, cols)`: `None` (1, Meta's), `\"original\"`, `\"match_rms_adamw\"`, "
+            "`\"spectral_unclamped\"`")),
+)
 
 
 class SpectralDescent(Preconditioner):
     name = "spectral_descent"
     matrix_blocks = True
     refreshes = False
+    keywords = SPECTRAL_KEYWORDS
 
     def preconditioned_dims(self, group: dict, order: int) -> list[int]:
         return []

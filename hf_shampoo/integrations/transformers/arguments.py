@@ -14,6 +14,7 @@ keyword that changes none of the groups is reported. ``create_optimizer`` and
 from __future__ import annotations
 
 import ast
+import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ from typing import Any
 
 import torch
 
-from ...config import DEFAULTS, did_you_mean, inert_keywords, validate_group
+from ...config import DEFAULTS, TABLE, did_you_mean, inert_keywords, validate_group
 from ...optimizer import DistributedShampoo
+from ...preconditioners import KINDS
 from ..modules import (
     check_override,
     check_patterns,
@@ -81,32 +83,6 @@ class OptimArgs:
 
 
 _DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
-# Keywords whose default is None, and the type they take otherwise.
-_OPTIONAL_TYPES = {
-    "beta3": float,
-    "start_preconditioning_step": int,
-    "grafting": str,
-    "inverse_exponent_override": dict,
-    "quantization": str,
-    "statistics_frequency": int,
-    "statistics_warmup": int,
-    "inv_factor_matrix_dtype": torch.dtype,
-    "newton_schulz_dtype": torch.dtype,
-    "spectral_lr_adjustment": str,
-    "sign_scale": str,
-    "vector_preconditioner": str,
-    "diagonal_aspect": float,
-    "rank_rtol": float,
-    "root_tolerance": float,
-    "root_abs_epsilon": float,
-    "iterate_averaging": str,
-    "eval_coeff_lr_power": float,
-}
-
-# Keywords that take true / false or a dict.
-_BOOL_OR_DICT = ("compile",)
-
-
 def valid_keys() -> list[str]:
     """The keys ``optim_args`` accepts (``PATTERN@key`` sets ``key`` for matching modules)."""
     return list(DEFAULTS) + list(INTEGRATION_KEYS)
@@ -138,12 +114,12 @@ def cast_value(key: str, text: Any) -> Any:
     if not isinstance(text, str):
         return text  # already typed (optim_args given as a dict)
     raw = text.strip()
-    default = DEFAULTS[key]
-    kind = _OPTIONAL_TYPES.get(key, type(default))
-    if raw.lower() in ("none", "null") and (default is None or key in _OPTIONAL_TYPES):
+    row = TABLE[key]
+    kind = row.type  # the keyword table's (config.TABLE)
+    if raw.lower() in ("none", "null") and row.optional:
         return None
-    if key in _BOOL_OR_DICT and raw.startswith("{"):
-        kind = dict  # compile={'backend':'aot_eager'}: torch.compile's keyword arguments
+    if isinstance(kind, types.UnionType):  # compile: true / false or a dict
+        kind = dict if raw.startswith("{") else next(t for t in kind.__args__ if t is not dict)
     if kind is bool:
         lowered = raw.lower()
         if lowered in ("true", "1", "yes"):
@@ -170,7 +146,7 @@ def cast_value(key: str, text: Any) -> Any:
             return tuple(float(p) for p in parts)
         except ValueError:
             raise _bad(key, raw, "numbers such as (0.9;0.999)") from None
-    if kind is torch.dtype or isinstance(default, torch.dtype):
+    if kind is torch.dtype:
         name = raw.removeprefix("torch.")
         dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
         if not isinstance(dtype, torch.dtype):
@@ -274,14 +250,15 @@ def trainer_defaults(args: Any, preset: str | None = None) -> dict[str, Any]:
 def resolve_kwargs(args: Any, *chosen: Mapping[str, Any], preset: str | None = None
                    ) -> dict[str, Any]:
     """``trainer_defaults(args, preset)`` updated by the user's keywords (``optim_args``,
-    Python), validated. Choosing ``preconditioner="eigenvalue_corrected"`` (SOAP) also
-    switches the defaults to no grafting and Adam's epsilon (``adam_epsilon``), unless those
-    are set."""
+    Python), validated. Choosing a kind whose epsilon is Adam's (``adam_like``:
+    ``preconditioner="eigenvalue_corrected"``, SOAP) also switches the defaults to no
+    grafting and Adam's epsilon (``adam_epsilon``), unless those are set."""
     user: dict[str, Any] = {}
     for keywords in chosen:
         user.update(keywords)
     kwargs = {**trainer_defaults(args, preset), **user}
-    if user.get("preconditioner") == "eigenvalue_corrected":
+    kind = KINDS.get(user.get("preconditioner"))  # type: ignore[arg-type]
+    if kind is not None and kind.adam_like:
         if "grafting" not in user:
             kwargs["grafting"] = None
         if "epsilon" not in user:
@@ -356,8 +333,8 @@ def _build(
     base = {k: v for k, v in kwargs.items() if k != "params"}
     inert = inert_keywords(user, [{**DEFAULTS, **base, **g} for g in groups])
     if inert:
-        kinds = sorted({g.get("preconditioner", base.get("preconditioner", "shampoo"))
-                        for g in groups})
+        default = base.get("preconditioner", DEFAULTS["preconditioner"])
+        kinds = sorted({g.get("preconditioner", default) for g in groups})
         warnings.warn(
             f"hf_shampoo: {', '.join(map(repr, inert))} (optim_args / shampoo_kwargs) change "
             f"nothing here: no parameter group's kind uses them (preset {preset!r}, kinds: "

@@ -13,7 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...config import STATISTICS_KINDS, start_step
+from ...config import start_step
+from ...preconditioners import KINDS
 from ..accelerate import consolidate, find_shampoo
 from ..modules import check_preset
 from .arguments import (
@@ -77,7 +78,7 @@ def first_refresh_note(optimizer: Any, max_steps: int) -> str | None:
     if shampoo is None or max_steps is None or max_steps <= 0:
         return None
     firsts = [(start_step(g), g) for g in shampoo.param_groups
-              if g["preconditioner"] in STATISTICS_KINDS and g["params"]]
+              if KINDS[g["preconditioner"]].statistics and g["params"]]
     if not firsts:
         return None
     first, group = min(firsts, key=lambda item: item[0])
