@@ -4,11 +4,15 @@ Under data parallelism and FSDP2 each rank's ``state_dict()`` holds the blocks i
 Tools that write the optimizer from one process (the Trainer, ``accelerator.save_state``)
 need the full state there, so ``DistributedShampoo.consolidate_state_dict`` calls
 ``gather_state`` on every rank first (as torch's ``ZeroRedundancyOptimizer`` does); the
-result is an ordinary state dict that loads at any world size.
+result is an ordinary state dict that loads at any world size. ``accelerator.save_state``
+calls ``state_dict()`` on every rank without consolidating first:
+``ranks_accelerate_saves_on`` tells ``state_dict()`` it is called from there, and which
+ranks write the file, so that it gathers the blocks onto them itself.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,3 +39,20 @@ def gather_state(local: dict[str, Any], to: int | Iterable[int] | None = 0) -> d
                 "shard": {**local["shard"], "complete": True},
             }
     return complete
+
+
+def ranks_accelerate_saves_on() -> list[int] | None | bool:
+    """Inside Accelerate's ``save_accelerator_state`` (which every rank runs during
+    ``accelerator.save_state``), the ranks that write its files: ``[0]``, or ``None`` (every
+    rank) with ``save_on_each_node``. ``False`` anywhere else. Looks only at the calling
+    frames, and only when Accelerate's checkpointing module is loaded."""
+    module = sys.modules.get("accelerate.checkpointing")
+    code = getattr(getattr(module, "save_accelerator_state", None), "__code__", None)
+    if code is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return None if frame.f_locals.get("save_on_each_node") else [0]
+        frame = frame.f_back
+    return False

@@ -3,7 +3,8 @@
 Under data parallelism every rank holds the state of its own blocks only, and
 ``accelerator.save_state`` writes the optimizer from the main process. It calls
 ``optimizer.state_dict()`` on every rank first, and the optimizer recognises that call
-(``ranks_accelerate_saves_on``): there it gathers every rank's blocks onto the ranks that
+(``ranks_accelerate_saves_on``, in ``checkpoint/consolidate.py`` and importable from
+here): there it gathers every rank's blocks onto the ranks that
 write, so a plain ``accelerator.save_state()`` writes a complete ``optimizer.bin``.
 ``save_state(accelerator, output_dir)`` does the same and then marks the directory complete
 (``checkpoint.integrity.COMPLETE_MARK``) once every rank has written its part;
@@ -19,11 +20,11 @@ fp16 ``GradScaler`` skips never reaches the optimizer. Accelerate is imported on
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.consolidate import ranks_accelerate_saves_on  # noqa: F401 (public here)
 from ..checkpoint.integrity import check_marked, mark_complete, newest_complete
 from ..optimizer import DistributedShampoo
 
@@ -40,23 +41,6 @@ def find_shampoo(optimizer: Any) -> DistributedShampoo | None:
         if optimizer is None:
             return None
     return None
-
-
-def ranks_accelerate_saves_on() -> list[int] | None | bool:
-    """Inside Accelerate's ``save_accelerator_state`` (which every rank runs during
-    ``accelerator.save_state``), the ranks that write its files: ``[0]``, or ``None`` (every
-    rank) with ``save_on_each_node``. ``False`` anywhere else. Looks only at the calling
-    frames, and only when Accelerate's checkpointing module is loaded."""
-    module = sys.modules.get("accelerate.checkpointing")
-    code = getattr(getattr(module, "save_accelerator_state", None), "__code__", None)
-    if code is None:
-        return False
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return None if frame.f_locals.get("save_on_each_node") else [0]
-        frame = frame.f_back
-    return False
 
 
 def consolidate(optimizers: Any | Iterable[Any], to: int | Iterable[int] | None = 0) -> int:
