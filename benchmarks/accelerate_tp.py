@@ -101,7 +101,7 @@ def main() -> None:
     losses = stage(f"{args.steps} steps", train)
     inner = getattr(optimizer, "optimizer", optimizer)
     print(f"[rank {accelerator.process_index}] losses {losses}, distributor "
-          f"{type(getattr(inner, '_distributor', None)).__name__}", flush=True)
+          f"{type(getattr(inner, 'distributor', None)).__name__}", flush=True)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ class SimulatedRank(SingleProcessDistributor):
 
     def __init__(self, world: int, rank: int, communication_dtype=torch.float32,
                  assignment_cost: str = "memory") -> None:
-        super().__init__(communication_dtype)
+        self.communication_dtype = communication_dtype
         self.world_size, self.rank, self.assignment_cost = world, rank, assignment_cost
         self.segment_numel = 0
 

@@ -99,7 +99,7 @@ def measure(model_name: str, config_name: str, compile_option, warmup: int, step
         "compile": sum(runs["compiled"][2]) - sum(runs["eager"][2]),
         "graphs": after_warmup[0], "most": after_warmup[1],
         "later graphs": final[0] - after_warmup[0], "params": sum(s.numel() for s in shapes),
-        "stacks": len(runs["eager"][1]._layout.owned),
+        "stacks": len({r["stack"] for r in runs["eager"][1].describe_blocks() if r["owned"]}),
         "difference": float((a - b).abs().max() / a.abs().max()),
     }
 

@@ -135,7 +135,7 @@ def _worker(path: str, stage: int, dtype: str, steps: int, out: str) -> None:
             losses, module = (trainer if path == "trainer" else accelerate)(optim, optim_args)
             opt = seen["optimizer"]
             res = {"status": "trains", "losses": [round(x, 4) for x in losses],
-                   "distributor": type(opt._distributor).__name__,
+                   "distributor": type(opt.distributor).__name__,
                    "step": opt._groups[0].get("step")}
             if rank == 0:
                 torch.save([p.detach().clone() for p in module.parameters()],
@@ -144,8 +144,8 @@ def _worker(path: str, stage: int, dtype: str, steps: int, out: str) -> None:
             frames = traceback.extract_tb(error.__traceback__)
             res = {"status": "error", "error": f"{type(error).__name__}: {error}",
                    "where": f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"}
-            if "optimizer" in seen and seen["optimizer"]._distributor is not None:
-                res["distributor"] = type(seen["optimizer"]._distributor).__name__
+            if "optimizer" in seen and seen["optimizer"].distributor is not None:
+                res["distributor"] = type(seen["optimizer"].distributor).__name__
         results[name] = res
         reset()
     if rank == 0:

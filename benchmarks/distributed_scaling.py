@@ -39,7 +39,7 @@ def rank_figures(model_name: str, world: int, rank: int, args) -> dict:
                              max_preconditioner_dim=args.max_preconditioner_dim,
                              precondition_frequency=10**6, start_preconditioning_step=10**6,
                              distributed="none")
-    opt._distributor = SimulatedRank(world, rank)  # before the first step builds the layout
+    opt.distributor = SimulatedRank(world, rank)  # before the first step builds the layout
     opt.step()  # allocates state (a grafting-only step)
     for group in opt.param_groups:  # next step is t = s: the first refresh; then steady steps
         group["step"] = group["start_preconditioning_step"] - 1
@@ -47,9 +47,9 @@ def rank_figures(model_name: str, world: int, rank: int, args) -> dict:
     steady = timed(opt.step, args.repeats)
     state_bytes = sum(t.numel() * t.element_size()
                       for entry in opt.local_state_dict()["state"].values() for t in entry.values())
-    blocks = sum(len(s.members) for s in opt._layout.owned)
+    blocks = sum(row["owned"] for row in opt.describe_blocks())
     return {"steady": median(steady), "refresh": refresh, "state_bytes": state_bytes,
-            "blocks": blocks, "gather_bytes": opt._distributor.all_gather_bytes()}
+            "blocks": blocks, "gather_bytes": opt.distributor.all_gather_bytes()}
 
 
 def model_inputs(model_name: str, args, generator: torch.Generator):

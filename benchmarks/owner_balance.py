@@ -32,7 +32,6 @@ from sharded_scaling import simulated_sharded  # noqa: E402
 
 from hf_shampoo import DistributedShampoo, make_optimizer  # noqa: E402
 from hf_shampoo.distributors import block_cost  # noqa: E402
-from hf_shampoo.preconditioners import kind_of  # noqa: E402
 
 CONFIGS = {
     "shampoo": lambda model: DistributedShampoo(
@@ -71,17 +70,13 @@ def shares(model_name: str, config: str, world: int, scheme: str, rule: str,
     else:
         distributor = simulated_sharded(world)
         distributor.assignment_cost = cost
-    opt._distributor = distributor if rule == "kind" else ShapeCosted(distributor)
-    layout = opt._ensure_layout()
+    opt.distributor = distributor if rule == "kind" else ShapeCosted(distributor)
     state, work = [0.0] * world, [0.0] * world
     largest = [0.0, 0.0]
-    for stack in layout.stacks:
-        settings = stack.settings(opt.param_groups)
-        n = len(stack.members)
-        one = (sum(stack.state_bytes(settings).values()),
-               kind_of(settings).step_flops(stack.shape, settings))
-        state[stack.rank] += n * one[0]
-        work[stack.rank] += n * one[1]
+    for row in opt.describe_blocks():
+        one = (row["state_bytes"], row["step_flops"])
+        state[row["rank"]] += one[0]
+        work[row["rank"]] += one[1]
         largest = [max(a, b) for a, b in zip(largest, one)]
     state_mean, work_mean = sum(state) / world, sum(work) / world
     return (max(state) / state_mean, max(work) / work_mean,

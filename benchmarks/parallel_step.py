@@ -26,6 +26,7 @@ processes on fewer cores the times are oversubscribed alike for the three scheme
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -135,12 +136,13 @@ def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int,
         opt.step()
         times.append(time.perf_counter() - start)
     if scheme == "lossless":
-        measured = opt._distributor.bytes_last_step
-        planned = opt._distributor.planned_bytes()
+        measured = opt.distributor.bytes_last_step
+        planned = opt.distributor.planned_bytes()
         computed = planned
     elif scheme == "ddp":
-        segment = max(sum(len(s.members) * s.directions[0].numel() for s in opt._layout.stacks
-                          if s.rank == r) for r in range(WORLD))
+        rows = opt.describe_blocks()
+        segment = max(sum(math.prod(row["shape"]) for row in rows if row["rank"] == r)
+                      for r in range(WORLD))
         computed = 2 * (WORLD - 1) * segment * 4
     state = sum(t.numel() * t.element_size() for entry in (
         opt.local_state_dict() if scheme != "full_tensor" else inner.state_dict()

@@ -209,9 +209,9 @@ def rank_times(params, world: int, rank: int, scheme: str, args) -> tuple[float,
                              precondition_frequency=10**6, start_preconditioning_step=10**6,
                              distributed="none")
     if scheme == "lossless":
-        opt._distributor = SimulatedOwner(world, rank)
+        opt.distributor = SimulatedOwner(world, rank)
     elif scheme == "ddp":
-        opt._distributor = SimulatedRank(world, rank)
+        opt.distributor = SimulatedRank(world, rank)
     opt.step()  # allocates state (a grafting-only step)
     for group in opt.param_groups:  # the next step is the first refresh, then steady steps
         group["step"] = group["start_preconditioning_step"] - 1

@@ -142,14 +142,17 @@ def adamw(params, grads, **kw) -> Runner:
 def factor_matrices(opt: DistributedShampoo) -> list[torch.Tensor]:
     """Every factor matrix ``F/bc2 + εI`` of the (single-process) optimizer."""
     mats = []
-    for stack in opt._layout.owned:
-        group = opt.param_groups[stack.group_index]
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for row in opt.describe_blocks():
+        if not row["owned"]:
+            continue
+        group = opt.param_groups[row["group"]]
         t, beta2 = group["step"], group["betas"][1]
         bc2 = 1 - beta2**t
-        for name, tensor in stack.state.items():
-            if name.startswith("factor_matrix_"):
-                eye = torch.eye(tensor.shape[-1], device=tensor.device)
-                mats += [m / bc2 + group["epsilon"] * eye for m in tensor]
+        for name, m in opt.state[params[row["param_index"]]].items():
+            if name.startswith(f"block_{row['block']}.factor_matrix_"):
+                eye = torch.eye(m.shape[-1], device=m.device)
+                mats.append(m / bc2 + group["epsilon"] * eye)
     return mats
 
 
@@ -163,13 +166,14 @@ def steady_flops(opt: DistributedShampoo) -> int:
     preconditioned dim ``j`` (``d = d_j``, ``k = numel / d``) the factor update ``G Gᵀ``
     (``linalg.syrk``, which skips the lower-left blocks) and the mode product ``2 d² k``."""
     total = 0
-    for stack in opt._layout.owned:
-        group = opt.param_groups[stack.group_index]
-        numel, n = math.prod(stack.shape), len(stack.members)
-        for j in stack.preconditioned_dims(group):
-            d = stack.shape[j]
+    for row in opt.describe_blocks():
+        if not row["owned"]:
+            continue
+        numel = math.prod(row["shape"])
+        for j in row["preconditioned_dims"]:
+            d = row["shape"][j]
             k = numel // d
-            total += n * (syrk_flops(d, k) + 2 * k * d * d)
+            total += syrk_flops(d, k) + 2 * k * d * d
     return total
 
 
@@ -184,10 +188,10 @@ def syrk_flops(d: int, k: int) -> int:
 def dense_flops(opt: DistributedShampoo) -> int:
     """``4 d² k`` per block and dim: factor update and mode product as full products."""
     total = 0
-    for stack in opt._layout.owned:
-        dims = stack.preconditioned_dims(opt.param_groups[stack.group_index])
-        total += sum(len(stack.members) * 4 * math.prod(stack.shape) * stack.shape[j]
-                     for j in dims)
+    for row in opt.describe_blocks():
+        if row["owned"]:
+            total += sum(4 * math.prod(row["shape"]) * row["shape"][j]
+                         for j in row["preconditioned_dims"])
     return total
 
 
@@ -222,12 +226,16 @@ def matmul_replay_seconds(opt: DistributedShampoo, repeats: int) -> float:
     the same shapes, through the same kernels: the machine's matmul time for this step."""
     cases = []
     device = opt.param_groups[0]["params"][0].device
-    for stack in opt._layout.owned:
-        group = opt.param_groups[stack.group_index]
-        n = len(stack.members)
-        grad = torch.randn(n, *stack.shape, device=device)
-        factors = [torch.zeros(n, d, d, device=device) for d in stack.shape]
-        roots = [torch.randn(n, d, d, device=device) for d in stack.shape]
+    stacks: dict[int, list[dict]] = {}  # the owned blocks of each stack (one batched call)
+    for row in opt.describe_blocks():
+        if row["owned"]:
+            stacks.setdefault(row["stack"], []).append(row)
+    for rows in stacks.values():
+        group, shape = opt.param_groups[rows[0]["group"]], rows[0]["shape"]
+        n = len(rows)
+        grad = torch.randn(n, *shape, device=device)
+        factors = [torch.zeros(n, d, d, device=device) for d in shape]
+        roots = [torch.randn(n, d, d, device=device) for d in shape]
         out, scratch, unfold = (torch.empty_like(grad) for _ in range(3))
         cases.append((group, grad, factors, roots, out, scratch, unfold))
 
@@ -476,9 +484,9 @@ def orthogonalization_lines(args) -> list[str]:
     sizes: dict[int, int] = {}
     opt = DistributedShampoo([p for p in model.parameters() if p.requires_grad],
                              max_preconditioner_dim=1024, distributed="none")
-    for stack in opt._ensure_layout().owned:
-        for j in stack.preconditioned_dims(opt.param_groups[stack.group_index]):
-            sizes[stack.shape[j]] = sizes.get(stack.shape[j], 0) + len(stack.members)
+    for row in opt.describe_blocks():
+        for j in row["preconditioned_dims"]:
+            sizes[row["shape"][j]] = sizes.get(row["shape"][j], 0) + 1
     methods = {
         "eigh": linalg.batched_eigh,
         "Householder QR": eigenbasis.orthonormal_basis,

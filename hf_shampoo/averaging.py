@@ -95,3 +95,52 @@ def switch_coefficients(group, to_train: bool) -> tuple[float, float | None]:
     z_minus_x = 1.0 - to_eval
     back = (1.0 - mu_y).item()
     return back * z_minus_x, (1.0 - back) * z_minus_x
+
+
+# ------------------------------------------------------------ train() / eval()
+def refuse_eval_mode(groups) -> None:
+    """A step in eval mode raises, naming the group (nothing has changed yet)."""
+    for gi, group in enumerate(groups):
+        if enabled(group) and not in_train_mode(group):
+            raise RuntimeError(
+                f"DistributedShampoo: step() in eval mode: parameter group {gi} uses "
+                f"iterate_averaging={group['iterate_averaging']!r} and its parameters "
+                "hold the averaged weights; call optimizer.train() before training "
+                "(nothing was changed)"
+            )
+
+
+def groups_to_switch(groups, to_train: bool) -> list[int]:
+    """The indices of the averaging groups whose mode differs from the one asked for."""
+    return [gi for gi, group in enumerate(groups)
+            if enabled(group) and in_train_mode(group) != to_train]
+
+
+def switch(layout, distributor, groups, moving_groups: list[int], to_train: bool) -> None:
+    """Move every block of ``moving_groups`` by ``c · D`` (``switch_coefficients``): each
+    owner writes its blocks' moves into their directions, the distributor shares and adds
+    them (``finish_step``, a collective: every rank calls it)."""
+    if distributor.needs_reallocation(layout.stacks):
+        distributor.allocate_directions(layout.stacks)
+    moving = {id(s): list(range(len(s.members))) if s.group_index in moving_groups else []
+              for s in layout.stacks}
+    for stack in layout.owned:
+        if stack.group_index not in moving_groups:
+            continue
+        offset = stack.state.get(STATE)
+        if offset is None:  # no step yet: z = y = x
+            stack.directions.zero_()
+            continue
+        c, k = switch_coefficients(stack.settings(groups), to_train)
+        torch.mul(offset, c, out=stack.directions)
+        if k is not None:
+            offset.mul_(k)
+    distributor.finish_step(layout, moving)
+
+
+def mark_mode(groups, to_train: bool) -> None:
+    """Record the mode of every averaging group without moving a parameter (the caller
+    moved them, or put weights of that mode in place, as ``load_best_model_at_end``)."""
+    for group in groups:
+        if enabled(group):
+            group["train_mode"] = to_train

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from . import averaging, pipeline
 from .blocking import ParamBlocking, expert_shape, is_vector_like
-from .checkpoint import layout as checkpoint
-from .checkpoint.consolidate import gather_state, ranks_accelerate_saves_on
+from .checkpoint import state_dict as saving
+from .checkpoint.consolidate import ranks_accelerate_saves_on
 from .config import (
     DEFAULTS,
     GLOBAL_KEYS,
@@ -73,11 +73,11 @@ class DistributedShampoo(torch.optim.Optimizer):
                 defaults[key] = tuple(defaults[key])
         validate_group(defaults)
         self._layout: Layout | None = None
-        self._consolidated: dict[str, Any] | None = None  # the full state, on a destination
-        self._gathered = False  # on every rank: consolidated since the last change
+        self._consolidation = saving.Consolidation()
         self._workspace = Workspace()
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
+        self._chosen: Distributor | None = None  # set through the ``distributor`` property
         self._constructed: list[list[Tensor]] | None = None
         self._checked: list[list[Tensor]] = []  # the groups' lists _zero was found for
         super().__init__(params, defaults)
@@ -211,6 +211,8 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _pick_distributor(self, final: bool = True) -> Distributor:
         if self._in_own_view and self._zero is not None:
             return self._zero.distributor
+        if self._chosen is not None:
+            return self._chosen
         d = self.defaults
         return make_distributor(
             d["distributed"], self._all_params(), d["num_trainers_per_group"],
@@ -317,7 +319,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             # (having called state_dict() / load_state_dict() on the unsharded ones). State
             # that training or a load put there moves to the new layout by block identity.
             if any(group["step"] > 0 for group in self.param_groups):
-                carried = self._pack(self._layout.owned)
+                carried = saving.pack_state(self.param_groups, self._layout.owned,
+                                            self._distributor, self._layout.blockings)
                 also = {*also, *self._layout.blockings}
             self._layout = None
         wanted = sorted({*self._trainable(), *also})
@@ -328,9 +331,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             self._layout = Layout(blockings, stacks, [], params)
             self._finish_layout(self._layout)
             if carried is not None:
-                checkpoint.unpack(carried, self.param_groups, self._layout.owned,
-                                  *self._rank_and_world(), self._key_prefix(),
-                                  self._layout.blockings)
+                saving.unpack_state(carried, self.param_groups, self._layout.owned,
+                                    self._distributor, self._layout.blockings)
         elif not set(wanted) <= self._layout.blockings.keys():
             self._extend_layout(self._layout, wanted)
         return self._layout
@@ -400,13 +402,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         factors before any state or parameter changes; compute every owned block's
         direction ``-lr * P``; the distributor shares the directions and applies them.
         """
-        self._refuse_eval_mode()
+        averaging.refuse_eval_mode(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         layout = self._ensure_layout()
-        self._forget_consolidation()
+        self._consolidation.forget()
         distributor, groups = self._distributor, self.param_groups
         if distributor.needs_reallocation(layout.stacks):
             distributor.allocate_directions(layout.stacks)
@@ -447,54 +449,17 @@ class DistributedShampoo(torch.optim.Optimizer):
         before evaluating). A ``step()`` in eval mode raises. Every rank calls it."""
         self._switch_mode(to_train=False)
 
-    def _refuse_eval_mode(self) -> None:
-        for gi, group in enumerate(self.param_groups):
-            if averaging.enabled(group) and not averaging.in_train_mode(group):
-                raise RuntimeError(
-                    f"DistributedShampoo: step() in eval mode: parameter group {gi} uses "
-                    f"iterate_averaging={group['iterate_averaging']!r} and its parameters "
-                    "hold the averaged weights; call optimizer.train() before training "
-                    "(nothing was changed)"
-                )
-
     def _switch_mode(self, to_train: bool) -> None:
-        """Move every block of the groups whose mode differs by ``c · D`` (averaging.py):
-        each owner writes its blocks' moves, the distributor shares and adds them."""
-        groups = [gi for gi, group in enumerate(self.param_groups)
-                  if averaging.enabled(group) and averaging.in_train_mode(group) != to_train]
-        if not groups:
-            return
+        """Move the parameters of the groups whose mode differs (``averaging.switch``), then
+        record the mode."""
+        groups = averaging.groups_to_switch(self.param_groups, to_train)
         layout = self._layout  # None before the first step: z = y = x, nothing moves
-        if layout is not None and (self._distributor.world_size > 1
-                                   or any(s.state for s in layout.owned)):
-            layout = self._ensure_layout()
-            distributor = self._distributor
-            if distributor.needs_reallocation(layout.stacks):
-                distributor.allocate_directions(layout.stacks)
-            moving = {id(s): list(range(len(s.members))) if s.group_index in groups else []
-                      for s in layout.stacks}
-            for stack in layout.owned:
-                if stack.group_index not in groups:
-                    continue
-                offset = stack.state.get(averaging.STATE)
-                if offset is None:  # no step yet: z = y = x
-                    stack.directions.zero_()
-                    continue
-                c, k = averaging.switch_coefficients(stack.settings(self.param_groups),
-                                                     to_train)
-                torch.mul(offset, c, out=stack.directions)
-                if k is not None:
-                    offset.mul_(k)
-            distributor.apply_outside_step(layout, moving)
-            self._forget_consolidation()
-        self._mark_mode(to_train)
-
-    def _mark_mode(self, to_train: bool) -> None:
-        """Record the mode of every averaging group without moving a parameter (the caller
-        moved them, or put weights of that mode in place, as ``load_best_model_at_end``)."""
-        for group in self.param_groups:
-            if averaging.enabled(group):
-                group["train_mode"] = to_train
+        if groups and layout is not None and (self._distributor.world_size > 1
+                                              or any(s.state for s in layout.owned)):
+            averaging.switch(self._ensure_layout(), self._distributor, self.param_groups,
+                             groups, to_train)
+            self._consolidation.forget()
+        averaging.mark_mode(self.param_groups, to_train)
 
     def _stacked_params(self, stack: BlockStack, active: list[int]) -> Tensor:
         """The members' parameter blocks, stacked into workspace memory (used at once)."""
@@ -512,7 +477,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state in torch's layout (docs/design.md §6).
+        """This rank's optimizer state in torch's layout (docs/design.md §9).
 
         After ``consolidate_state_dict(to=r)``, rank ``r`` returns the state of every
         rank's blocks instead, until the next ``step()``. It never communicates, except
@@ -521,65 +486,24 @@ class DistributedShampoo(torch.optim.Optimizer):
         are spread over the ranks gathers them first (``consolidate_state_dict``; onto every
         rank with ``save_on_each_node``), so that the file holds every block. The hooks
         registered with ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch's
-        ``Optimizer``.
+        ``Optimizer`` (``checkpoint/state_dict.py``).
         """
         with self._own_view():
-            if not self._gathered:
+            if not self._consolidation.gathered:
                 ranks = ranks_accelerate_saves_on()
                 if ranks is not False:
                     self._consolidate_state_dict(ranks)
-            return self._full_state_dict()
-
-    def _full_state_dict(self) -> dict[str, Any]:
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state_dict = self._state_dict()
-        tools = self.state.tool_entries()  # keys other code stored under a parameter
-        if tools:  # under the numbers this state dict gives the parameters
-            numbers = [n for group in state_dict["param_groups"] for n in group["params"]]
-            number_of = dict(zip(map(id, self._all_params()), numbers))
-            for key, entries in tools.items():
-                if key in number_of:
-                    state_dict["state"].setdefault(number_of[key], {}).update(entries)
-        state_dict["state"].update(self.state.foreign)  # keys that are not parameters
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    def _state_dict(self) -> dict[str, Any]:
-        if self._consolidated is not None:  # a new dict each time: callers edit it in place
-            c = self._consolidated
-            return {"state": {i: dict(e) for i, e in c["state"].items()},
-                    "param_groups": [dict(g) for g in c["param_groups"]], "shard": c["shard"]}
-        return self.local_state_dict()
+            return saving.save(self, lambda: self._consolidation.copy()
+                               or self.local_state_dict(), self._all_params())
 
     def local_state_dict(self) -> dict[str, Any]:
         """The state of the blocks this rank owns (the whole state in one process)."""
         with self._own_view():
-            return self._local_state_dict()
-
-    def _local_state_dict(self) -> dict[str, Any]:
-        layout = self._ensure_layout()
-        for stack in layout.owned:  # every owned block has state, also before its first step
-            stack.materialize(stack.settings(self.param_groups))
-        return self._pack(layout.owned)
-
-    def _pack(self, owned: list[BlockStack]) -> dict[str, Any]:
-        """The state dict of these (this rank's) stacks, marked complete or not."""
-        return checkpoint.pack(self.param_groups, owned, *self._rank_and_world(),
-                               not self._distributor.is_sharded_state, self._key_prefix(),
-                               self._layout.blockings.keys())
-
-    def _rank_and_world(self) -> tuple[int, int]:
-        """This process's global rank and world size (0 and 1 in one process)."""
-        return self._distributor.global_rank_and_world()
-
-    def _key_prefix(self) -> str:
-        """Prefix of state keys (``fsdp_mode="local"``: which shard the blocks cut)."""
-        prefix = getattr(self._distributor, "state_key_prefix", None)
-        return prefix() if prefix is not None else ""
+            layout = self._ensure_layout()
+            for stack in layout.owned:  # every owned block has state, also before a step
+                stack.materialize(stack.settings(self.param_groups))
+            return saving.pack_state(self.param_groups, layout.owned, self._distributor,
+                                     layout.blockings)
 
     def consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
         """Gather every rank's blocks onto global rank ``to`` (a collective: every rank
@@ -592,58 +516,28 @@ class DistributedShampoo(torch.optim.Optimizer):
             return self._consolidate_state_dict(to)
 
     def _consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
-        self._forget_consolidation()
+        self._consolidation.forget()
         self._ensure_layout()
-        if not self._distributor.is_sharded_state:
-            return
-        self._consolidated = gather_state(self.local_state_dict(), to)
-        self._gathered = True
-
-    def _forget_consolidation(self) -> None:
-        """The state changed (a step, a load): a consolidated copy no longer holds."""
-        self._consolidated, self._gathered = None, False
+        if self._distributor.is_sharded_state:
+            self._consolidation.gather(self.local_state_dict(), to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
         full or consolidated state loads at any world size). Refuses a state saved for
         another model or another blocking with a ``ValueError`` before changing anything.
         The hooks registered with ``register_load_state_dict_pre_hook`` / ``_post_hook``
-        run as in torch's ``Optimizer``.
+        run as in torch's ``Optimizer`` (``checkpoint/state_dict.py``).
         """
         with self._own_view():
-            self._load_state_dict(state_dict)
+            saving.load(self, state_dict, self._all_params(), self._unpack)
 
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        foreign = {}
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
-            # keys that name no saved parameter go back into optimizer.state, as in torch;
-            # saved parameters may be named by index or by anything else (torch's
-            # distributed state-dict helpers list fully qualified names)
-            listed = _saved_param_ids(state_dict)
-            foreign = {k: v for k, v in state_dict["state"].items()
-                       if isinstance(k, str) and k not in listed}
-            if foreign:
-                state_dict = {**state_dict, "state": {k: v for k, v in state_dict["state"].items()
-                                                      if k not in foreign}}
-        state_dict, tools = _split_tool_entries(state_dict)
-        layout = self._ensure_layout(also=_saved_param_indices(state_dict,
-                                                               len(self._all_params())))
-        checkpoint.unpack(state_dict, self.param_groups, layout.owned, *self._rank_and_world(),
-                          self._key_prefix(), layout.blockings)
-        self.state.foreign.update(foreign)
-        if tools:  # keys other code stored under a parameter, by the saved groups' order
-            params = self._all_params()
-            position = _saved_positions(state_dict)
-            for saved_id, entries in tools.items():
-                if position.get(saved_id, len(params)) < len(params):
-                    self.state[params[position[saved_id]]].update(entries)
-        self._forget_consolidation()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+    def _unpack(self, state_dict: dict[str, Any], saved: set[int]) -> None:
+        """Load the optimizer's own entries of ``state_dict``, whose parameters ``saved``
+        get blocks too (a checkpoint's frozen parameters)."""
+        layout = self._ensure_layout(also=saved)
+        saving.unpack_state(state_dict, self.param_groups, layout.owned, self._distributor,
+                            layout.blockings)
+        self._consolidation.forget()
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:
@@ -654,7 +548,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         layout = self._layout
         stepped = layout is not None and any(s.state for s in layout.owned)
         state["state"] = {}
-        state["_saved_state"] = self._pack(layout.owned) if stepped else None
+        state["_saved_state"] = saving.pack_state(
+            self.param_groups, layout.owned, self._distributor, layout.blockings) \
+            if stepped else None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -664,8 +560,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._groups = self.param_groups
         self._constructed = [list(group["params"]) for group in self.param_groups]
         self._zero, self._in_own_view, self._checked = None, False, []
-        self._layout, self._consolidated, self._distributor = None, None, None
-        self._gathered = False
+        self._layout, self._distributor, self._chosen = None, None, None
+        self._consolidation = saving.Consolidation()
         self._workspace, self._schedules = Workspace(), {}
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
@@ -680,7 +576,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _owned_state_keys(self) -> list[tuple[int, str]]:
         layout = self._ensure_layout()
-        prefix = self._key_prefix()
+        prefix = self._distributor.state_key_prefix
         keys = []
         for stack in layout.owned:
             names = stack.expected_state(stack.settings(self.param_groups))
@@ -689,70 +585,72 @@ class DistributedShampoo(torch.optim.Optimizer):
                          for n in names]
         return keys
 
+    # ------------------------------------------------------------------ introspection
+    @property
+    def distributor(self) -> Distributor:
+        """The distributor that places this optimizer's blocks (``distributors/``): its
+        class says how (``SingleProcessDistributor``, ``DataParallelDistributor``,
+        ``ShardedDistributor``, ``LocalShardDistributor``, ``ZeroDistributor``); its
+        ``rank`` and ``world_size`` are this rank's within it. Chosen from ``distributed``
+        at construction and again from the parameters when the blocks are laid out (the
+        first step, ``describe_blocks()``): read it after that.
+
+        Setting it (before the first step) fixes the one the optimizer uses instead: a
+        planner without a process group, e.g. ``ShardedDistributor(rank=r, world_size=w,
+        boxes_of=...)`` or a subclass of ``SingleProcessDistributor`` that assigns as
+        rank ``r`` of ``w`` would, lays the blocks out and computes only that rank's share,
+        as ``benchmarks/`` do to measure one rank of a larger world on one process. It
+        keeps a distributor it was given for good (DeepSpeed ZeRO 1/2's partitions
+        aside, which bring their own)."""
+        return self._distributor
+
+    @distributor.setter
+    def distributor(self, distributor: Distributor) -> None:
+        if self._layout is not None and any(s.state for s in self._layout.owned):
+            raise RuntimeError(
+                "DistributedShampoo: the distributor can only be set before the optimizer "
+                "holds state (before the first step or load)")
+        self._chosen = self._distributor = distributor
+        self._layout = None
+
     def describe_blocks(self) -> list[dict[str, Any]]:
-        """One row per block: parameter name, block shape, owning rank, its preconditioner
-        and grafting, and the bytes of optimizer state the block will hold on that rank
-        (``state_bytes``: every state tensor of the block's configuration, allocated or
-        not yet)."""
+        """One row per block, the public view of the layout (the benchmarks' too):
+
+        - ``name``, ``param_index`` (torch's numbering over all groups), ``group`` (its
+          param group's index), ``block`` (its index within the parameter), ``shape``;
+        - ``rank``: the rank that owns it (holds its state, computes its direction), and
+          ``owned``: whether that is this rank (``distributor.rank``);
+        - ``stack``: the index of its stack, the same-shape blocks of one group that a step
+          computes in one batched call;
+        - ``preconditioner``, ``grafting``, ``preconditioned_dims`` (dims with a Kronecker
+          factor), ``refresh_offset`` (its place in the refresh schedule);
+        - ``state_bytes``: the bytes of optimizer state it holds on its owner (every state
+          tensor of its configuration, allocated or not yet); ``step_flops``: what its
+          kind computes per step (``Preconditioner.step_flops``, the ``"compute"``
+          assignment cost).
+
+        It lays the blocks out if no step has yet; under DDP / FSDP2 every rank describes
+        the same blocks (with its own ``owned``). ``optimizer.state[p]`` holds the state
+        tensors of the blocks this rank owns, under ``block_{block}.{name}``."""
         with self._own_view():
             return self._describe_blocks()
 
     def _describe_blocks(self) -> list[dict[str, Any]]:
         layout = self._ensure_layout()
+        rank = self._distributor.rank
         rows = []
-        for s in layout.stacks:
+        for index, s in enumerate(layout.stacks):
             settings = s.settings(self.param_groups)
             nbytes = sum(s.state_bytes(settings).values())
-            rows += [{"name": b.name, "param_index": b.param_index, "block": b.block_index,
-                      "shape": s.shape, "rank": s.rank,
+            flops = kind_of(settings).step_flops(s.shape, settings)
+            dims = tuple(s.preconditioned_dims(settings))
+            rows += [{"name": b.name, "param_index": b.param_index, "group": s.group_index,
+                      "block": b.block_index, "shape": s.shape, "rank": s.rank,
+                      "owned": s.rank == rank, "stack": index,
                       "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0,
-                      "state_bytes": nbytes, "preconditioner": settings["preconditioner"],
-                      "grafting": settings["grafting"]}
+                      "state_bytes": nbytes, "step_flops": flops,
+                      "preconditioner": settings["preconditioner"],
+                      "grafting": settings["grafting"], "preconditioned_dims": dims}
                      for i, b in enumerate(s.members)]
         return rows
 
-
-def _split_tool_entries(state_dict: Any) -> tuple[Any, dict[Any, dict[str, Any]]]:
-    """``state_dict`` without the entries that other code stored under a parameter (keys
-    that are not this optimizer's ``block_{b}.{name}``), and those entries by saved id."""
-    try:
-        state = state_dict["state"]
-        tools = {pid: {k: v for k, v in entry.items() if not checkpoint.is_state_key(k)}
-                 for pid, entry in state.items() if isinstance(entry, dict)}
-    except (KeyError, TypeError, AttributeError):
-        return state_dict, {}
-    tools = {pid: entries for pid, entries in tools.items() if entries}
-    if not tools:
-        return state_dict, {}
-    kept = {pid: ({k: v for k, v in entry.items() if k not in tools[pid]} if pid in tools
-                  else entry) for pid, entry in state.items()}
-    return {**state_dict, "state": {pid: e for pid, e in kept.items() if e}}, tools
-
-
-def _saved_positions(state_dict: Any) -> dict[Any, int]:
-    """Each id the saved groups list for their parameters → its first position over all
-    groups (torch's numbering); empty for a malformed state, which ``unpack`` refuses."""
-    try:
-        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-    except (KeyError, TypeError):
-        return {}
-    position: dict[Any, int] = {}
-    for i, pid in enumerate(ids):
-        position.setdefault(pid, i)
-    return position
-
-
-def _saved_param_ids(state_dict: Any) -> set:
-    """Every id the saved groups list for their parameters."""
-    return set(_saved_positions(state_dict))
-
-
-def _saved_param_indices(state_dict: Any, count: int) -> set[int]:
-    """The positions (torch's numbering over all groups) of the parameters that have state
-    in ``state_dict``; nothing for a malformed one, which ``unpack`` then refuses."""
-    position = _saved_positions(state_dict)
-    try:
-        return {position[k] for k in state_dict["state"] if k in position
-                and position[k] < count}
-    except (KeyError, TypeError):
-        return set()

@@ -61,6 +61,48 @@ class Workspace:
         return buffer[:numel].view(shape)
 
 
+class StateDict(dict):
+    """A stack's state, name → stacked tensor: a dict that counts, in ``StateDict.changes``
+    (over every stack), each change of which tensors it holds (a tensor allocated, moved
+    to another device, a load's ``clear``). ``optimizer.state`` (``state_view.py``) keeps
+    its map of views until that count moves; writing into a tensor in place is no change
+    of the dict."""
+
+    changes = 0
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        StateDict.changes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        StateDict.changes += 1
+        super().__delitem__(key)
+
+    def clear(self) -> None:
+        StateDict.changes += 1
+        super().clear()
+
+    def pop(self, *args):
+        StateDict.changes += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        StateDict.changes += 1
+        return super().popitem()
+
+    def setdefault(self, key: str, default: Tensor | None = None):
+        StateDict.changes += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs) -> None:
+        StateDict.changes += 1
+        super().update(*args, **kwargs)
+
+    def __ior__(self, other):
+        StateDict.changes += 1
+        return super().__ior__(other)
+
+
 @dataclass
 class StackStep:
     """One step of one stack: the rows it works on (blocks with a gradient) and what each
@@ -105,7 +147,7 @@ class BlockStack:
     work_dtype: torch.dtype
     rank: int = 0  # the rank that owns this stack's state and computes its directions
     directions: Tensor | None = None  # -lr * P per block, (n, *shape); may view a shared buffer
-    state: dict[str, Tensor] = field(default_factory=dict)
+    state: StateDict = field(default_factory=StateDict)
     failures: dict[str, list[int]] = field(default_factory=dict)
     # per member: steps by which its refresh schedule is delayed (refresh_schedule)
     refresh_offsets: list[int] = field(default_factory=list)

@@ -10,8 +10,10 @@ keys that tools store under a parameter (timm's Lookahead's slow weights) are ke
 saved in that parameter's ``state_dict()["state"][i]`` entry and restored by
 ``load_state_dict``, as torch does; keys that are not parameters (hooks' flags) are saved
 in ``state_dict()["state"]`` and restored too. The
-view is computed on access, so it is never stale. The state lives on the parameters' device
-and follows them at the next ``step()``.
+map from parameters to their views is built once and kept until the layout or a stack's
+set of state tensors changes (``stack.StateDict.changes``), so ``optimizer.state[p]`` costs
+O(1) per access and is never stale. The state lives on the parameters' device and follows
+them at the next ``step()``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 from torch import Tensor
+
+from .stack import StateDict
 
 
 class StateEntry(dict):
@@ -66,6 +70,11 @@ class StateView(MutableMapping):
         # keys that are not parameters (torch's optimizer.state takes any key: hooks store
         # flags there); state_dict() saves them in "state" and load_state_dict() restores them
         self.foreign: dict[Any, Any] = {}
+        # the map of views and what it was built from: (layout, its owned stacks, the
+        # count of state changes); ``rebuilds`` counts the builds
+        self._map: dict[int, tuple[Tensor, dict[str, Tensor]]] = {}
+        self._built_from: tuple | None = None
+        self.rebuilds = 0
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if isinstance(key, Tensor):
@@ -77,7 +86,19 @@ class StateView(MutableMapping):
         del self.foreign[key]
 
     def _stacked(self) -> dict[int, tuple[Tensor, dict[str, Tensor]]]:
-        layout = getattr(self._optimizer, "_layout", None)
+        """``id(param)`` → (param, its blocks' views): rebuilt only when the layout, its
+        owned stacks or the tensors some stack holds changed since the last build."""
+        layout = self._optimizer._layout
+        source = (layout, None if layout is None else layout.owned, StateDict.changes)
+        built = self._built_from
+        if built is None or any(a is not b for a, b in zip(source[:2], built[:2])) \
+                or source[2] != built[2]:
+            self._map, self._built_from = self._build(layout), source
+            self.rebuilds += 1
+        return self._map
+
+    @staticmethod
+    def _build(layout) -> dict[int, tuple[Tensor, dict[str, Tensor]]]:
         entries: dict[int, tuple[Tensor, dict[str, Tensor]]] = {}
         if layout is None:
             return entries
@@ -112,7 +133,10 @@ class StateView(MutableMapping):
     def __contains__(self, param: object) -> bool:
         if not isinstance(param, Tensor):
             return param in self.foreign
-        return id(param) in self._params()
+        if id(param) in self._stacked():
+            return True
+        found = self._extra.get(id(param))
+        return found is not None and bool(found[1])
 
     def __iter__(self) -> Iterator[Any]:
         return iter([*self._params().values(), *self.foreign])

@@ -71,13 +71,11 @@ def _shares(config: str, world: int, plan: str, rule: str, cost: str):
         wrapped = _ShapeCosted(distributor)
         wrapped.inner_cost = cost
         distributor = wrapped
-    opt._distributor = distributor
+    opt.distributor = distributor
     load, largest = [0.0] * world, 0.0
-    for stack in opt._ensure_layout().stacks:
-        settings = stack.settings(opt.param_groups)
-        one = (sum(stack.state_bytes(settings).values()) if cost == "memory"
-               else kind_of(settings).step_flops(stack.shape, settings))
-        load[stack.rank] += one * len(stack.members)
+    for row in opt.describe_blocks():
+        one = row["state_bytes"] if cost == "memory" else row["step_flops"]
+        load[row["rank"]] += one
         largest = max(largest, one)
     total = sum(load)
     return [x / total for x in load], largest / total

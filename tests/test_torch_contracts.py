@@ -166,6 +166,59 @@ def test_optimizer_state_maps_each_parameter_to_views_of_its_state():
     assert "slow" not in opt.state[params[0]]
 
 
+def test_a_loop_over_optimizer_state_builds_its_map_once():
+    """optimizer.state[p] is O(1): a loop over every parameter, reading, checking and
+    writing in place, builds the map of views once (it used to rebuild it on every access,
+    quadratic in the parameters); a step that allocates no state keeps it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(30)])
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    params = list(model.parameters())
+    gen = generator(0)
+    for _ in range(4):  # past the first refresh, which allocates the roots
+        opt.zero_grad()
+        model(torch.randn(3, 4, generator=gen)).square().sum().backward()
+        opt.step()
+    before = opt.state.rebuilds
+    for p in params:
+        entry = opt.state[p]
+        assert p in opt.state and entry
+        for tensor in entry.values():
+            tensor.mul_(1.0)
+    assert opt.state.rebuilds - before == 1
+    opt.zero_grad()
+    model(torch.randn(3, 4, generator=gen)).square().sum().backward()
+    opt.step()
+    for p in params:
+        opt.state[p]
+    assert opt.state.rebuilds - before == 1
+    assert len(opt.state) == len(params)
+
+
+def test_optimizer_state_follows_layout_and_state_changes():
+    """The kept map is rebuilt when the state's tensors change: the first step allocates
+    them, a load replaces them, a new param group adds blocks."""
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **CONFIG)
+    first = list(model.parameters())[0]
+    assert first not in opt.state
+    _train(model, opt, 1, seed=0)
+    assert first in opt.state
+    saved = opt.state_dict()
+    key = next(iter(opt.state[first]))
+    fresh = DistributedShampoo(model.parameters(), **CONFIG)
+    assert first not in fresh.state and len(fresh.state) == 0
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.state[first][key], opt.state[first][key])
+    opt.state[first][key].zero_()  # in place: the view is the storage
+    assert not opt.state_dict()["state"][0][key].any()
+    extra = torch.nn.Parameter(torch.randn(3, 2))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.randn(3, 2)
+    opt.step()
+    assert extra in opt.state and any(k.startswith("block_0.") for k in opt.state[extra])
+
+
 def test_optimizer_state_omits_frozen_parameters():
     model = _model()
     model[0].requires_grad_(False)

@@ -5,8 +5,9 @@ Tools that write the optimizer from one process (the Trainer, ``accelerator.save
 need the full state there, so ``DistributedShampoo.consolidate_state_dict`` calls
 ``gather_state`` on every rank first (as torch's ``ZeroRedundancyOptimizer`` does); the
 result is an ordinary state dict that loads at any world size. ``accelerator.save_state``
-calls ``state_dict()`` on every rank and writes the main process's: ``ranks_accelerate_saves_on``
-recognises that call, so that the optimizer gathers there by itself.
+calls ``state_dict()`` on every rank without consolidating first:
+``ranks_accelerate_saves_on`` tells ``state_dict()`` it is called from there, and which
+ranks write the file, so that it gathers the blocks onto them itself.
 """
 
 from __future__ import annotations

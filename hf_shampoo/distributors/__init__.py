@@ -1,17 +1,20 @@
 """Distributors: where blocks live and how directions travel between ranks.
 
-``base`` holds the interface and the shared helpers, ``placements`` which part of every
-parameter each rank holds (DTensor layouts, DeepSpeed's flat ranges); ``single``, ``ddp``
-and ``fsdp`` are the ways of exchanging directions (none, one all-gather, the lossless
-exchange of block parts for FSDP2 / HSDP / tensor parallel) and import only those two;
-``zero`` is the lossless exchange over DeepSpeed ZeRO 1/2's flat partitions;
+``base`` holds the interface (``Distributor``: what the step calls, nothing more) and the
+shared helpers, ``placements`` which part of every parameter each rank holds (DTensor
+layouts, DeepSpeed's flat ranges); ``single``, ``ddp`` and ``fsdp`` are the ways of
+exchanging directions (none, one all-gather, the lossless exchange of block parts for
+FSDP2 / HSDP / tensor parallel) and import only those two; ``local`` is
+``fsdp_mode="local"`` (one process per shard, on ``single``); ``zero`` is the lossless
+exchange over DeepSpeed ZeRO 1/2's flat partitions (on ``fsdp``);
 ``factory.make_distributor`` picks one for the parameters.
 """
 
 from .base import OTHER_RANK, Distributor, block_cost, greedy_assignment
 from .ddp import DataParallelDistributor
 from .factory import make_distributor
-from .fsdp import LocalShardDistributor, ShardedDistributor
+from .fsdp import ShardedDistributor
+from .local import LocalShardDistributor
 from .single import SingleProcessDistributor
 
 __all__ = [

@@ -5,15 +5,17 @@ A distributor knows ranks, block assignment and buffers, and nothing of the algo
 ``greedy_assignment`` choose owners (longest processing time first, deterministic on every
 rank); the helpers below stack a stack's gradients or parameters into one tensor, keep its
 persistent buffers, and add every block's direction to its parameter. The distributors
-themselves are siblings that import only this module: ``single`` (one process), ``ddp``
-(blocks spread over data-parallel ranks, one all-gather) and ``fsdp`` (FSDP2 / HSDP).
+themselves are siblings that import only this module (and ``placements``): ``single`` (one
+process), ``ddp`` (blocks spread over data-parallel ranks, one all-gather), ``fsdp``
+(FSDP2 / HSDP / tensor parallel, lossless); ``local`` (``fsdp_mode="local"``) is one
+process per shard and builds on ``single``, ``zero`` on ``fsdp``.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,21 +55,27 @@ class Distributor:
     """Where blocks live: the interface the optimizer's step drives.
 
     The step calls, in this order: ``active_members`` (which blocks have a gradient, and
-    which gradients are not finite),
-    ``prepare_step`` (bring owned blocks' inputs to their owner), ``stacked_grads`` /
-    ``stacked_params`` (an owned stack's inputs), then ``finish_step`` (share the
-    directions and add every block's to its parameter). At layout time it calls
-    ``assign`` (an owner per block) and ``allocate_directions``. Subclasses (``single``,
-    ``ddp``, ``fsdp``) decide where blocks live; none of them knows the algorithm.
+    which gradients are not finite), ``prepare_step`` (bring owned blocks' inputs to
+    their owner), ``stacked_grads`` / ``stacked_params`` (an owned stack's inputs), then
+    ``finish_step`` (share the owners' directions of the active blocks and add every
+    block's to its parameter; ``train()`` / ``eval()`` call it too, every rank, for the
+    blocks that move). At layout time it calls ``blocking_shape``, ``assign`` (an owner
+    per block) and ``allocate_directions`` (again when ``needs_reallocation``); the
+    refresh check asks ``any_rank``; checkpoints read ``is_sharded_state``,
+    ``state_key_prefix`` and ``global_rank_and_world``. Nothing else: every per-step fact
+    travels as an argument, and a distributor keeps only what its layout planned.
+    Subclasses (``single``, ``ddp``, ``fsdp``, ``local``, ``zero``) decide where blocks
+    live; none of them knows the algorithm. ``assign``, ``allocate_directions`` and
+    ``finish_step`` are theirs to define; the rest has the one-process meaning here.
     """
 
-    rank = 0
-    world_size = 1
+    #: this rank within the distributor's group, and the group's size
+    rank: int = 0
+    world_size: int = 1
     #: whether a rank's ``state_dict()`` holds only its own blocks
-    is_sharded_state = False
-
-    def __init__(self, communication_dtype: torch.dtype = torch.float32) -> None:
-        self.communication_dtype = communication_dtype
+    is_sharded_state: bool = False
+    #: prefix of this rank's state keys (``fsdp_mode="local"``: which shard its blocks cut)
+    state_key_prefix: str = ""
 
     def global_rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and world size (0 and 1 in one process)."""
@@ -90,10 +98,12 @@ class Distributor:
         raise NotImplementedError
 
     def allocate_directions(self, stacks) -> None:
-        """Give every stack its ``directions`` tensor ``(members, *shape)``."""
+        """Give every stack its ``directions`` tensor ``(members, *shape)`` (the owned
+        ones at least) and plan what a step exchanges."""
         raise NotImplementedError
 
     def needs_reallocation(self, stacks) -> bool:
+        """Whether ``allocate_directions`` must run again (parameters moved device)."""
         return any(s.directions is None or s.directions.device != s.device for s in stacks)
 
     # ------------------------------------------------------------- one step
@@ -112,8 +122,11 @@ class Distributor:
             return active, []
         return active, [i for i, bad in zip(params, flags.tolist()) if bad]
 
-    def prepare_step(self, layout, active: dict[int, list[int]], needs_params) -> None:
-        """Bring the inputs of owned blocks to their owner (nothing to do here)."""
+    def prepare_step(self, layout, active: dict[int, list[int]],
+                     needs_params: Callable[[object], bool]) -> None:
+        """Bring the inputs of the ``active`` members of owned stacks to their owner (and
+        the parameters, for the stacks where ``needs_params(stack)``). Every rank holds
+        its blocks' inputs already unless a subclass says otherwise: nothing to do."""
 
     def stacked_grads(self, stack, active: list[int]) -> Tensor:
         """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype."""
@@ -126,23 +139,15 @@ class Distributor:
         return _stacked(stack, active, self.local, out)
 
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
-        """Share the owners' directions (``all_gather``) and add every block's to its
-        parameter."""
-        self.all_gather()
-        apply_directions(layout, active, self.local)
-
-    def apply_outside_step(self, layout, moving: dict[int, list[int]]) -> None:
-        """Share the owners' ``directions`` of the ``moving`` members and add them to their
-        parameters, outside a step (``optimizer.train()`` / ``eval()``); every rank calls it."""
-        self.finish_step(layout, moving)
-
-    def all_gather(self) -> None:
-        """Fill every rank's direction buffers with the owners' directions."""
+        """Share the owners' ``directions`` of the ``active`` members (``id(stack)`` →
+        positions) and add every one to its parameter. Every rank calls it (in a step, and
+        in ``train()`` / ``eval()`` for the blocks that move)."""
         raise NotImplementedError
 
     def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank (a collective where there are several)."""
-        raise NotImplementedError
+        """Whether ``flag`` holds on any rank (a collective where ranks share blocks; the
+        rank's own flag where they never wait for each other)."""
+        return flag
 
 
 def world_any(flag: bool, device: torch.device) -> bool:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Distributor, block_cost, greedy_assignment, world_any
+from .base import Distributor, apply_directions, block_cost, greedy_assignment, world_any
 
 
 class DataParallelDistributor(Distributor):
@@ -27,7 +27,7 @@ class DataParallelDistributor(Distributor):
         num_trainers_per_group: int,
         assignment_cost: str = "memory",
     ) -> None:
-        super().__init__(communication_dtype)
+        self.communication_dtype = communication_dtype
         world, global_rank = dist.get_world_size(), dist.get_rank()
         size = world if num_trainers_per_group == -1 else num_trainers_per_group
         if world % size != 0:
@@ -44,13 +44,10 @@ class DataParallelDistributor(Distributor):
                     self.process_group = group
         self.world_size = size
         self.rank = global_rank % size
+        self.is_sharded_state = size > 1
         self.assignment_cost = assignment_cost
         self.buffer: Tensor | None = None
         self.segment = 0
-
-    @property
-    def is_sharded_state(self) -> bool:  # type: ignore[override]
-        return self.world_size > 1
 
     def global_rank_and_world(self) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
@@ -89,11 +86,13 @@ class DataParallelDistributor(Distributor):
         device = self.buffer.device if self.buffer is not None else torch.device("cpu")
         return world_any(flag, device)
 
-    def all_gather(self) -> None:
-        if self.buffer is None or self.segment == 0:
-            return
-        # In place: this rank's input is its own slice of the output buffer.
-        local = self.buffer[self.rank * self.segment : (self.rank + 1) * self.segment]
-        # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.14)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(self.buffer, local, group=self.process_group)
+    def finish_step(self, layout, active: dict[int, list[int]]) -> None:
+        """One all-gather of the flat direction buffer (every owner's slice to every rank
+        of the group), then every active block's direction added to its parameter."""
+        if self.buffer is not None and self.segment:
+            # In place: this rank's input is its own slice of the output buffer.
+            local = self.buffer[self.rank * self.segment : (self.rank + 1) * self.segment]
+            # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.14)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(self.buffer, local, group=self.process_group)
+        apply_directions(layout, active, self.local)

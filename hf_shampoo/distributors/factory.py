@@ -11,14 +11,8 @@ from torch import Tensor
 
 from .base import Distributor
 from .ddp import DataParallelDistributor
-from .fsdp import (
-    LocalShardDistributor,
-    ShardedDistributor,
-    is_dtensor,
-    layout_signature,
-    local_mode_grid,
-    refuse_unsupported,
-)
+from .fsdp import ShardedDistributor, is_dtensor, layout_signature, refuse_unsupported
+from .local import LocalShardDistributor, local_mode_grid
 from .single import SingleProcessDistributor
 
 
@@ -60,8 +54,9 @@ def make_distributor(
         refuse_unsupported(params, sharded_ok=False)
     else:
         refuse_unsupported(params, sharded_ok=True)
-    if mode == "none":  # (a subclass set by hand, as the benchmarks' simulated ranks, stays)
-        return current if current is not None else SingleProcessDistributor()
+    if mode == "none":
+        return current if type(current) is SingleProcessDistributor else \
+            SingleProcessDistributor()
     initialised = dist.is_available() and dist.is_initialized()
     if mode == "fsdp" or sharded:
         if not sharded:
@@ -88,7 +83,7 @@ def make_distributor(
         grid = local_mode_grid(params)
         if type(current) is LocalShardDistributor and current.grid == grid:
             return current
-        return LocalShardDistributor(grid, communication_dtype)
+        return LocalShardDistributor(grid)
     if isinstance(current, DataParallelDistributor) or (
         type(current) is SingleProcessDistributor and mode == "auto"
     ):

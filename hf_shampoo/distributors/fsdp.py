@@ -19,9 +19,8 @@ the ranks that hold most of a block while the load stays balanced. Each block is
 once in the world (never repeated per tensor-parallel rank); with float32 communication
 the parameters are bit-identical to one process.
 
-``LocalShardDistributor`` (``fsdp_mode="local"``) blocks each rank's local shard as if it
-were the parameter and communicates nothing (Meta's FSDP2 default): cheaper, but the
-numbers depend on the world size; it takes FSDP2's and HSDP's row shards only.
+``fsdp_mode="local"`` (Meta's FSDP2 default, each rank's shard blocked as if it were the
+parameter) is ``local.LocalShardDistributor``.
 """
 
 from __future__ import annotations
@@ -35,9 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import (
-    OTHER_RANK,
     Distributor,
-    allocate_per_stack,
     block_cost,
     nonfinite_flags,
     params_with_gradients,
@@ -54,36 +51,7 @@ from .placements import (
     refuse_unsupported,
 )
 
-__all__ = ["LocalShardDistributor", "ShardedDistributor", "is_dtensor", "local_mode_grid",
-           "refuse_unsupported"]
-
-
-def local_mode_grid(params: Sequence[Tensor]) -> list[list[int]] | None:
-    """``fsdp_mode="local"``'s mesh as ``grid[replica][shard]`` (a 1-D mesh is one replica),
-    or None when no parameter is a DTensor; only FSDP2's ``(Shard(0),)`` and HSDP's
-    ``(Replicate(), Shard(0))`` on one mesh, the layouts it can block shard by shard."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    grid = None
-    for index, param in enumerate(params):
-        if not is_dtensor(param):
-            continue
-        mesh, placements = param.device_mesh, tuple(param.placements)
-        ranks = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
-        if not ((mesh.ndim == 1 and placements == (Shard(0),))
-                or (mesh.ndim == 2 and placements == (Replicate(), Shard(0)))):
-            raise ValueError(
-                f"DistributedShampoo: fsdp_mode='local' blocks each rank's row shard and "
-                f"takes FSDP2's (Shard(0),) or HSDP's (Replicate(), Shard(0)); parameter "
-                f"{index} (shape {tuple(param.shape)}) is placed {placements} on a "
-                f"{mesh.ndim}-D mesh. Use fsdp_mode='lossless' (the default) for tensor "
-                "parallel layouts")
-        if grid is not None and ranks != grid:
-            raise ValueError(
-                "DistributedShampoo: fsdp_mode='local' needs every parameter on one mesh; "
-                f"found {grid} and {ranks}. Use fsdp_mode='lossless' (the default)")
-        grid = ranks
-    return grid
+__all__ = ["ShardedDistributor", "is_dtensor", "layout_signature", "refuse_unsupported"]
 
 
 def layout_signature(params: Sequence[Tensor]) -> tuple:
@@ -176,7 +144,7 @@ class ShardedDistributor(Distributor):
         boxes_of: Callable[[dict[int, Tensor], dict[int, str]], dict[int, list]] | None = None,
         signature: tuple = (),
     ) -> None:
-        super().__init__(communication_dtype)
+        self.communication_dtype = communication_dtype
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self.rank = dist.get_rank() if rank is None else rank
         self.boxes_of = boxes_of or (lambda params, names: holdings(params, self.world_size,
@@ -194,8 +162,6 @@ class ShardedDistributor(Distributor):
         self.local_pieces: list[Piece] = []  # parts of my blocks that I hold myself
         self.bytes_last_step = 0  # sent + received by this rank in the last step
         self._device = torch.device("cpu")
-        self._active: set[tuple[int, int]] = set()
-        self._params_of: dict[int, bool] = {}
 
     def global_rank_and_world(self) -> tuple[int, int]:
         return self.rank, self.world_size
@@ -376,18 +342,16 @@ class ShardedDistributor(Distributor):
         return ({id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
                  for stack in stacks}, bad)
 
-    def _is_active(self, piece: Piece) -> bool:
-        return (id(piece.stack), piece.member) in self._active
-
-    def prepare_step(self, layout, active: dict[int, list[int]], needs_params) -> None:
+    def prepare_step(self, layout, active: dict[int, list[int]],
+                     needs_params: Callable[[object], bool]) -> None:
         """Gradient (and parameter, where ``needs_params(stack)``) parts → owners."""
-        self._active = {(id(s), m) for s in layout.stacks for m in active[id(s)]}
+        is_active = _membership(layout, active)
         dtype = _exchange_dtype(layout.stacks)
-        self._params_of = {id(s): needs_params(s) for s in layout.stacks}
+        params_of = {id(s): needs_params(s) for s in layout.stacks}
         for stack in layout.stacks:
             if stack.rank == self.rank and active[id(stack)]:
                 stack_buffer(stack, "gathered_grad")
-                if self._params_of[id(stack)]:
+                if params_of[id(stack)]:
                     stack_buffer(stack, "gathered_param")
 
         def grad_of(piece: Piece) -> Tensor:
@@ -400,30 +364,30 @@ class ShardedDistributor(Distributor):
             return piece.local_part(self.values_of(piece.block.param))
 
         def with_params(piece: Piece) -> bool:
-            return self._params_of[id(piece.stack)]
+            return params_of[id(piece.stack)]
 
         # 1. my parts of other ranks' blocks
         send: list[list[Tensor]] = [[] for _ in range(self.world_size)]
         for owner, piece in self.pieces_out:
-            if self._is_active(piece):
+            if is_active(piece):
                 send[owner].append(grad_of(piece))
                 if with_params(piece):
                     send[owner].append(param_of(piece))
         recv_sizes = [0] * self.world_size
         for source, piece in self.pieces_in:
-            if self._is_active(piece):
+            if is_active(piece):
                 recv_sizes[source] += piece.numel * (2 if with_params(piece) else 1)
         received = self._all_to_all(send, recv_sizes, dtype)
         # 2. my own parts of my blocks, then the received ones, into the owners' buffers
         for piece in self.local_pieces:
-            if self._is_active(piece):
+            if is_active(piece):
                 piece.write_block(piece.stack.gathered_grad[piece.member], grad_of(piece))
                 if with_params(piece):
                     piece.write_block(piece.stack.gathered_param[piece.member],
                                       param_of(piece))
         offsets = [0] * self.world_size
         for source, piece in self.pieces_in:
-            if not self._is_active(piece):
+            if not is_active(piece):
                 continue
             targets = [piece.stack.gathered_grad]
             if with_params(piece):
@@ -437,9 +401,6 @@ class ShardedDistributor(Distributor):
     def any_rank(self, flag: bool) -> bool:
         return world_any(flag, self._device)
 
-    def all_gather(self) -> None:
-        pass  # finish_step sends each rank its shard's directions by all_to_all instead
-
     def stacked_grads(self, stack, active: list[int]) -> Tensor:
         buffer = stack.gathered_grad
         return buffer if len(active) == len(stack.members) else buffer[active]
@@ -450,31 +411,29 @@ class ShardedDistributor(Distributor):
             return out.copy_(buffer)
         return torch.index_select(buffer, 0, torch.tensor(active, device=buffer.device), out=out)
 
-    def apply_outside_step(self, layout, moving: dict[int, list[int]]) -> None:
-        self._active = {(id(s), m) for s in layout.stacks for m in moving[id(s)]}
-        self.finish_step(layout, moving)
-
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
-        """Direction parts → every rank holding them; add them to the local shards."""
+        """Direction parts of the ``active`` members → every rank holding them; add them
+        to the local shards."""
+        is_active = _membership(layout, active)
         comm = self.communication_dtype
         send: list[list[Tensor]] = [[] for _ in range(self.world_size)]
         for holder, piece in self.directions_out:
-            if self._is_active(piece):
+            if is_active(piece):
                 send[holder].append(piece.block_part(piece.stack.directions[piece.member]))
         recv_sizes = [0] * self.world_size
         for owner, piece in self.directions_in:
-            if self._is_active(piece):
+            if is_active(piece):
                 recv_sizes[owner] += piece.numel
         received = self._all_to_all(send, recv_sizes, comm)
         adds: list[tuple[Piece, Tensor]] = []
         for piece in self.local_pieces:
-            if self._is_active(piece):
+            if is_active(piece):
                 update = piece.block_part(piece.stack.directions[piece.member])
                 # through the communication dtype, as every other holder gets it
                 adds.append((piece, update if update.dtype == comm else update.to(comm)))
         offsets = [0] * self.world_size
         for owner, piece in self.directions_in:
-            if self._is_active(piece):
+            if is_active(piece):
                 start = offsets[owner]
                 adds.append((piece, received[owner][start : start + piece.numel]))
                 offsets[owner] += piece.numel
@@ -540,58 +499,13 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
             [i for i, f in zip(order, nonfinite) if f])
 
 
-def _device_of(stacks) -> torch.device:
-    return stacks[0].device if stacks else torch.device("cpu")
+def _membership(layout, active: dict[int, list[int]]) -> Callable[[Piece], bool]:
+    """Whether a piece belongs to one of the ``active`` members (``id(stack)`` → positions)
+    of the layout's stacks."""
+    members = {(id(s), m) for s in layout.stacks for m in active[id(s)]}
+    return lambda piece: (id(piece.stack), piece.member) in members
 
 
 def _exchange_dtype(stacks) -> torch.dtype:
     """Gradients travel in the widest working dtype, so that nothing is rounded on the way."""
     return torch.float64 if any(s.work_dtype == torch.float64 for s in stacks) else torch.float32
-
-
-class LocalShardDistributor(Distributor):
-    """``fsdp_mode="local"``: each rank's local shard is blocked as if it were the whole
-    parameter; no communication beyond FSDP's own (numbers depend on the world size)."""
-
-    is_sharded_state = True
-
-    def __init__(self, grid: list[list[int]], communication_dtype: torch.dtype) -> None:
-        super().__init__(communication_dtype)
-        self.grid = grid
-        self.global_rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.shard_index = next(row.index(self.global_rank) for row in grid
-                                if self.global_rank in row)
-        self.num_shards = len(grid[0])
-
-    def global_rank_and_world(self) -> tuple[int, int]:
-        return self.global_rank, self.world
-
-    def local(self, tensor: Tensor) -> Tensor:
-        return local_tensor(tensor)
-
-    def state_key_prefix(self) -> str:
-        return f"shard{self.shard_index}of{self.num_shards}."
-
-    def active_members(self, stacks, check_finite: bool = False
-                       ) -> tuple[dict[int, list[int]], list[int]]:
-        """As in one process, but a nan or an inf in any rank's shard stops every rank (one
-        ``all_reduce`` of one flag, only with ``check_finite``): ranks hold different
-        shards, and their blocks differ, so the ranks without it report ``OTHER_RANK``."""
-        active, bad = super().active_members(stacks, check_finite)
-        if check_finite and world_any(bool(bad), _device_of(stacks)) and not bad:
-            bad = [OTHER_RANK]
-        return active, bad
-
-    def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
-               costs: Sequence[float] | None = None) -> list[int]:
-        return [0] * len(block_shapes)  # every rank owns the blocks of its own shards
-
-    def allocate_directions(self, stacks) -> None:
-        allocate_per_stack(stacks)
-
-    def all_gather(self) -> None:
-        pass  # each rank applies its own directions to its own shard
-
-    def any_rank(self, flag: bool) -> bool:
-        return flag  # as in one process: ranks never wait for each other here

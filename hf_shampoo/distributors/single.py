@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Distributor, allocate_per_stack
+from .base import Distributor, allocate_per_stack, apply_directions
 
 
 class SingleProcessDistributor(Distributor):
@@ -17,8 +17,6 @@ class SingleProcessDistributor(Distributor):
     def allocate_directions(self, stacks) -> None:
         allocate_per_stack(stacks)
 
-    def all_gather(self) -> None:
-        pass
-
-    def any_rank(self, flag: bool) -> bool:
-        return flag
+    def finish_step(self, layout, active: dict[int, list[int]]) -> None:
+        """Add every active block's direction to (this rank's part of) its parameter."""
+        apply_directions(layout, active, self.local)

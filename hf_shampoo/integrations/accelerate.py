@@ -3,9 +3,9 @@
 Under data parallelism every rank holds the state of its own blocks only, and
 ``accelerator.save_state`` writes the optimizer from the main process. It calls
 ``optimizer.state_dict()`` on every rank first, and the optimizer recognises that call
-(``checkpoint.consolidate.ranks_accelerate_saves_on``): there it gathers every rank's
-blocks onto the ranks that write, so a plain ``accelerator.save_state()`` writes a
-complete ``optimizer.bin``.
+(``ranks_accelerate_saves_on``, in ``checkpoint/consolidate.py`` and importable from
+here): there it gathers every rank's blocks onto the ranks that
+write, so a plain ``accelerator.save_state()`` writes a complete ``optimizer.bin``.
 ``save_state(accelerator, output_dir)`` does the same and then marks the directory complete
 (``checkpoint.integrity.COMPLETE_MARK``) once every rank has written its part;
 ``load_state(accelerator, input_dir)`` refuses a directory without that mark, or whose files
@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.consolidate import ranks_accelerate_saves_on  # noqa: F401 (public here)
 from ..checkpoint.integrity import check_marked, mark_complete, newest_complete
 from ..optimizer import DistributedShampoo
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ... import averaging
 from ...config import start_step
 from ...preconditioners import KINDS
 from ..accelerate import consolidate, find_shampoo
@@ -64,7 +65,7 @@ def averaged_weights_after_training(optimizer: Any, args: Any, state: Any) -> No
     best_loaded = bool(getattr(args, "load_best_model_at_end", False)
                        and getattr(state, "best_model_checkpoint", None))
     if best_loaded:
-        shampoo._mark_mode(to_train=False)
+        averaging.mark_mode(shampoo.param_groups, to_train=False)
     else:
         shampoo.eval()
 
