@@ -26,6 +26,7 @@ from .keywords import (
     did_you_mean,
     fail,
     integer,
+    is_real,
     real,
     render_table,
     scoped,
@@ -87,6 +88,13 @@ def _check_compile(key: str, value: Any) -> None:
 
 # The keywords every kind has (in the constructor's order); ``POSITIONAL`` may be passed
 # by position, the others by name only (as torch's optimizers do).
+def _epsilon_check(key: str, value: Any) -> None:
+    """ε: a finite real number > 0, or 0.0 (the pseudo-inverse's; its rule is the kind's)."""
+    if not is_real(value) or value < 0:
+        fail(key, value, "expected a finite real number > 0.0 (or 0.0 with "
+                         "rank_deficient='pseudo_inverse')")
+
+
 COMMON_KEYWORDS: tuple[Keyword, ...] = (
     Keyword("lr", 1e-2, float, _check_lr, doc=(
             "learning rate")),
@@ -96,7 +104,7 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
     Keyword("beta3", None, float, real(0.0, 1.0, high_open=True), doc=(
             "coefficient that forms the filtered gradient, `beta3·M_prev + (1−beta3)·G` "
             "(`None` → `beta1`; differing from `beta1` gives a Nesterov-style look-ahead)")),
-    Keyword("epsilon", 1e-12, float, real(0.0), doc=(
+    Keyword("epsilon", 1e-12, float, _epsilon_check, doc=(
             "regularisation added before the root inverse / eigendecomposition (must be "
             "`0.0` with `rank_deficient=\"pseudo_inverse\"`)")),
     Keyword("momentum", 0.0, float, real(0.0, 1.0, high_open=True), doc=(
