@@ -1,7 +1,8 @@
 """The benchmarks' one training loop and learning-rate schedule.
 
-``train_loop`` is what ablation.py, convergence.py and quantization_accuracy.py train with
-(also the AdamW run that makes the LoRA task's base model). One divergence rule for all:
+``train_loop`` is what ablation.py, convergence.py, quantization_accuracy.py and
+step_time.py's ``--real-run`` train with (also the AdamW run that makes the LoRA task's
+base model). One divergence rule for all:
 each step computes the loss and its backward first; **a non-finite loss ends the run before
 that step's optimizer step** (``Run.diverged``; ``losses`` holds the steps before it). A
 finite loss, however large, does not end a run. Time is the process's CPU time
@@ -50,14 +51,16 @@ def warmup_cosine(steps: int, decay: bool = True) -> Callable[[int], float]:
 def train_loop(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable,
                loss: Callable[[nn.Module, object], torch.Tensor],
                schedule: Callable[[int], float] | None = None,
-               after_step: Callable[[int], None] | None = None) -> Run:
+               after_step: Callable[[int], None] | None = None,
+               step: Callable[[], object] | None = None) -> Run:
     """Train ``model`` with ``opt`` on ``batches``: ``loss(model, batch)``, backward, then
-    (the loss finite) ``opt.step()``, the ``LambdaLR`` ``schedule``'s step if given and
-    ``after_step(step)`` (steps counted from 1). See the module docstring for divergence."""
+    (the loss finite) ``opt.step()`` (or ``step()``, e.g. a timed one), the ``LambdaLR``
+    ``schedule``'s step if given and ``after_step(step)`` (steps counted from 1). See the
+    module docstring for divergence."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
     run = Run()
     start = time.process_time()
-    for step, batch in enumerate(batches, start=1):
+    for index, batch in enumerate(batches, start=1):
         value = loss(model, batch)
         opt.zero_grad()
         value.backward()
@@ -65,11 +68,11 @@ def train_loop(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable,
         if not math.isfinite(number):
             run.diverged = True
             return run
-        opt.step()
+        (step or opt.step)()
         if scheduler is not None:
             scheduler.step()
         run.losses.append(number)
         run.seconds.append(time.process_time() - start)
         if after_step is not None:
-            after_step(step)
+            after_step(index)
     return run

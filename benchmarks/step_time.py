@@ -60,6 +60,7 @@ from benchmarks.common import (
     timed,
     write_section,
 )
+from benchmarks.harness import train_loop
 from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg
 
 F = 100_000  # precondition_frequency = start_preconditioning_step for the counter trick
@@ -259,13 +260,13 @@ def real_run(frequency: int, steps: int, batch: int, device: torch.device | str 
                              precondition_frequency=frequency, distributed="none", **kw)
     g = torch.Generator().manual_seed(0)
     times = []
+    batches = (torch.randint(0, len(labels), (batch,), generator=g).to(device)
+               for _ in range(steps))
     with StaleCounter() as counter:
-        for _ in range(steps):
-            index = torch.randint(0, len(labels), (batch,), generator=g).to(device)
-            loss = torch.nn.functional.cross_entropy(model(images[index]), labels[index])
-            opt.zero_grad()
-            loss.backward()
-            times.append(timed_once(opt.step, device))
+        train_loop(model, opt, batches,
+                   lambda model, i: torch.nn.functional.cross_entropy(model(images[i]),
+                                                                      labels[i]),
+                   step=lambda: times.append(timed_once(opt.step, device)))
     return times, (counter.stale / counter.checked if counter.checked else float("nan"))
 
 
