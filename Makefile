@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"

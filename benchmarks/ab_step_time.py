@@ -6,7 +6,7 @@ The other revision is imported from a checkout under another module name (the pa
 uses relative imports only), e.g. a git worktree of the commit before a change:
 
     git worktree add /tmp/before HEAD~1
-    python benchmarks/ab_step_time.py --baseline-path /tmp/before --steps 20
+    python -m benchmarks.ab_step_time --baseline-path /tmp/before --steps 20
 
 Each configuration runs both optimizers on the same parameter shapes and fixed random
 gradients, past a refresh (the step counter is set as in ``step_time.py``), then alternates
@@ -23,10 +23,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_model, hardware, median  # noqa: E402
-
-import hf_shampoo  # noqa: E402
+import hf_shampoo
+from benchmarks.common import build_model, hardware, median
 
 F = 100_000
 

@@ -36,9 +36,9 @@ eigenvalue correction on, the staggered refresh schedule, pseudo-inverse roots.
 Time is the process's CPU time with one thread (``time.process_time``), which equals the
 wall-clock time on an idle core and is not inflated by other work on the machine.
 
-    python benchmarks/ablation.py                       # the full run (about an hour here)
-    python benchmarks/ablation.py --smoke               # toy size, about a minute
-    python benchmarks/ablation.py --replot outputs/ablation/ablation.json
+    python -m benchmarks.ablation                       # the full run (about an hour here)
+    python -m benchmarks.ablation --smoke               # toy size, about a minute
+    python -m benchmarks.ablation --replot outputs/ablation/ablation.json
 """
 
 from __future__ import annotations
@@ -47,37 +47,31 @@ import argparse
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import hardware  # noqa: E402
-from tasks import (  # noqa: E402
+from benchmarks.common import command_line, hardware
+from benchmarks.configs import ADAMW, SHAMPOO, SOAP
+from benchmarks.harness import train_loop, warmup_cosine
+from benchmarks.tasks import (
     CONTEXT,
     docstring_tokens,
     image_dataset,
+    language_model_parts,
     make_gpt2,
     make_lora,
     make_resnet,
     text_tokens,
     windows_of,
 )
+from hf_shampoo import DistributedShampoo
+from hf_shampoo.integrations.modules import make_optimizer
 
-from hf_shampoo import DistributedShampoo  # noqa: E402
-from hf_shampoo.integrations.modules import make_optimizer  # noqa: E402
-
-SHAMPOO = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
-               grafting_epsilon=1e-8, weight_decay=1e-4, max_preconditioner_dim=128,
-               precondition_frequency=10)
-SOAP = dict(betas=(0.9, 0.999), epsilon=1e-8, preconditioner="eigenvalue_corrected",
-            weight_decay=1e-4, max_preconditioner_dim=128, precondition_frequency=10)
 LRS = (1e-3, 3e-3, 1e-2)
 
 
@@ -103,7 +97,7 @@ class Optimizer:
         if self.kind == "torch_muon":
             return torch_muon_and_adamw(model, lr)
         if self.kind == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=1e-4)
+            return torch.optim.AdamW(params, lr=lr, **ADAMW)
         if self.kind == "sgd":
             return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-4)
         return DistributedShampoo(params, lr=lr, **self.keywords)
@@ -171,7 +165,7 @@ def torch_muon_and_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
         (hidden if p.ndim == 2 and not embedding else rest).append(p)
     return _Both(torch.optim.Muon(hidden, lr=lr, momentum=0.95, nesterov=True,
                                   weight_decay=1e-4, adjust_lr_fn="match_rms_adamw"),
-                 torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.999), weight_decay=1e-4))
+                 torch.optim.AdamW(rest, lr=lr, **ADAMW))
 
 # One change at a time against BASE, at BASE's swept learning rate.
 ABLATIONS = {
@@ -231,29 +225,6 @@ def resnet_task(args) -> Task:
                 lambda seed: make_resnet(seed, classes), batches, loss, evaluate, "test acc")
 
 
-def language_model_parts(args, train_tokens: torch.Tensor, val_tokens: torch.Tensor):
-    """``(batches, loss, evaluate)`` of a byte-level language-model task: random training
-    windows (fixed by the seed), the causal LM loss, the loss on ``--val-windows`` fixed
-    validation windows."""
-    val_starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, args.val_windows).long()
-    val_batch = windows_of(val_tokens, val_starts)
-
-    def batches(seed: int, steps: int) -> list:
-        g = torch.Generator().manual_seed(seed + 1)
-        return [torch.randint(0, len(train_tokens) - CONTEXT, (args.text_batch_size,),
-                              generator=g) for _ in range(steps)]
-
-    def loss(model, starts):
-        batch = windows_of(train_tokens, starts)
-        return model(input_ids=batch, labels=batch).loss
-
-    def evaluate(model) -> dict[str, float]:
-        with torch.no_grad():
-            return {"val loss": model(input_ids=val_batch, labels=val_batch).loss.item()}
-
-    return batches, loss, evaluate
-
-
 def gpt2_task(args) -> Task:
     batches, loss, evaluate = language_model_parts(args, *text_tokens(args.text_dataset))
     source = args.text_dataset or "Python's standard-library sources"
@@ -284,15 +255,15 @@ def lora_base(width: int, steps: int, batch_size: int) -> nn.Module:
     model = make_gpt2(0, n_embd=width)
     tokens, _ = text_tokens(None)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
     g = torch.Generator().manual_seed(12345)
-    for _ in range(steps):
-        batch = windows_of(tokens, torch.randint(0, len(tokens) - CONTEXT, (batch_size,),
-                                                 generator=g))
-        opt.zero_grad()
-        model(input_ids=batch, labels=batch).loss.backward()
-        opt.step()
-        schedule.step()
+    starts = [torch.randint(0, len(tokens) - CONTEXT, (batch_size,), generator=g)
+              for _ in range(steps)]
+
+    def loss(model, starts):
+        batch = windows_of(tokens, starts)
+        return model(input_ids=batch, labels=batch).loss
+
+    train_loop(model, opt, starts, loss, warmup_cosine(steps))
     return model
 
 
@@ -309,49 +280,23 @@ def state_mib(opt: torch.optim.Optimizer) -> float:
 
 
 # --------------------------------------------------------------------------- training
-def warmup_cosine(steps: int, decay: bool = True) -> Callable[[int], float]:
-    """A linear warm-up over the first 5 % of steps, then a cosine decay to zero (or, with
-    ``decay=False``, the peak lr to the end)."""
-    warmup = max(1, steps // 20)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if not decay:
-            return 1.0
-        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    return factor
-
-
 def train(task: Task, optimizer: Optimizer, lr: float, seed: int, steps: int) -> dict:
-    """One run: training losses and cumulative CPU seconds per step, final metrics. A
-    non-finite loss ends the run (``diverged``)."""
+    """One run (``harness.train_loop``: a non-finite loss ends it, ``diverged``): training
+    losses and cumulative CPU seconds per step, final metrics."""
     model = task.model(seed)
     opt = optimizer.build(model, lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine(steps, decay=optimizer.schedule == "cosine"))
-    losses, seconds = [], []
-    start = time.process_time()
-    for batch in task.batches(seed, steps):
-        loss = task.loss(model, batch)
-        opt.zero_grad()
-        loss.backward()
-        value = loss.item()
-        if not math.isfinite(value):
-            return dict(lr=lr, seed=seed, losses=losses, seconds=seconds, metrics={},
-                        diverged=True)
-        opt.step()
-        schedule.step()
-        losses.append(value)
-        seconds.append(time.process_time() - start)
+    run = train_loop(model, opt, task.batches(seed, steps), task.loss,
+                     warmup_cosine(steps, decay=optimizer.schedule == "cosine"))
+    result = dict(lr=lr, seed=seed, losses=run.losses, seconds=run.seconds, metrics={},
+                  diverged=run.diverged)
+    if run.diverged:
+        return result
     if hasattr(opt, "eval"):  # iterate averaging: evaluate the averaged weights
         opt.eval()
-    metrics = task.evaluate(model)
+    result["metrics"] = task.evaluate(model)
     if task.measure_state:
-        metrics["optimizer state MiB"] = state_mib(opt)
-    return dict(lr=lr, seed=seed, losses=losses, seconds=seconds, metrics=metrics,
-                diverged=False)
+        result["metrics"]["optimizer state MiB"] = state_mib(opt)
+    return result
 
 
 def tail_loss(run: dict, steps: int) -> float:
@@ -751,7 +696,7 @@ def main(argv=None) -> None:
         header = "\n".join(headers)
     else:
         torch.set_num_threads(args.threads)
-        header = (f"`{shlex.join(['python', *sys.argv])}`; {hardware()}; time is CPU time "
+        header = (f"`{command_line()}`; {hardware()}; time is CPU time "
                   f"of the one-thread process")
         records = []
         builders = {"resnet": resnet_task, "gpt2": gpt2_task, "lora": lora_task}

@@ -9,7 +9,7 @@ and loaded with Accelerate's tensor-parallel plan (``tp_plan="auto"``, the devic
 on a GPU machine says exactly how far Accelerate gets; with ``--device cpu`` it records
 Accelerate's refusal of a CPU mesh. Nothing is downloaded.
 
-    torchrun --nproc_per_node 2 benchmarks/accelerate_tp.py --tp-size 2 --device cuda
+    torchrun --nproc_per_node 2 -m benchmarks.accelerate_tp --tp-size 2 --device cuda
 """
 
 from __future__ import annotations

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 from hf_shampoo import eigenbasis
-from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment  # noqa: F401
+from hf_shampoo.blocking import ParamBlocking
+from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment
+from hf_shampoo.distributors.fsdp import ShardedDistributor
+from hf_shampoo.distributors.placements import chunk_boxes
+from hf_shampoo.stack import BlockRef
 
 MODELS = ("resnet50", "gpt2", "gpt2-medium", "gpt2-tiny")
 
@@ -37,6 +43,13 @@ def build_model(name: str) -> torch.nn.Module:
                                    n_positions=64, bos_token_id=0, eos_token_id=0)}
         return GPT2LMHeadModel(GPT2Config(**sizes[name]))
     raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+
+
+def command_line() -> str:
+    """The running benchmark's command as a reader reruns it from the repository root:
+    ``python -m benchmarks.NAME ARGS`` (also when it was started by its path)."""
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    return shlex.join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]])
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -166,3 +179,26 @@ class SimulatedRank(SingleProcessDistributor):
 
     def all_gather_bytes(self) -> int:
         return self.world_size * self.segment_numel * self.communication_dtype.itemsize
+
+
+def simulated_sharded(world: int) -> ShardedDistributor:
+    """The lossless distributor's plan for rank 0 of a ``world``-rank FSDP2 mesh (rows
+    chunked as ``fully_shard`` does), without a process group."""
+    return ShardedDistributor(rank=0, world_size=world, boxes_of=lambda params, names: {
+        i: chunk_boxes(p.shape, world) for i, p in params.items()})
+
+
+def blocks_of(params, max_dim: int) -> list[BlockRef]:
+    blocks = []
+    for index, p in enumerate(params):
+        blocking = ParamBlocking.of(p.shape, max_dim)
+        single = len(blocking.slices) == 1
+        blocks += [BlockRef(0, index, b, p, str(index), blocking.merged, None if single else sl)
+                   for b, sl in enumerate(blocking.slices)]
+    return blocks
+
+
+def block_shape(block) -> tuple[int, ...]:
+    if block.slices is None:
+        return block.merged
+    return tuple(s.stop - s.start for s in block.slices)

@@ -16,23 +16,20 @@ kernels' compiled graphs after the warm-up (and the most of one kernel, which to
 at ``recompile_limit``), and those added during the timed steps, where the learning rate
 changes every step as under a scheduler (none expected).
 
-    python benchmarks/compile_step_time.py --models resnet50 gpt2 --threads 2
-    python benchmarks/compile_step_time.py --models gpt2-tiny --steps 3   # a smoke run
+    python -m benchmarks.compile_step_time --models resnet50 gpt2 --threads 2
+    python -m benchmarks.compile_step_time --models gpt2-tiny --steps 3   # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MODELS, build_model, hardware, median  # noqa: E402
-
-from hf_shampoo import DistributedShampoo, compiled  # noqa: E402
+from benchmarks.common import MODELS, build_model, hardware, median
+from hf_shampoo import DistributedShampoo, compiled
 
 F = 100_000  # precondition_frequency = start_preconditioning_step; steps F+1.. are steady
 

@@ -8,29 +8,30 @@ initialisation on the same batches, for several seeds; the table shows the train
 averaged over windows of steps and over seeds, the final test accuracy, and for QR runs
 with a tolerance the share of factor matrices that the criterion sent to a QR step.
 
-    python benchmarks/convergence.py --steps 400 --seeds 3
+    python -m benchmarks.convergence --steps 400 --seeds 3
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import math
 import statistics
-import sys
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import StaleCounter, hardware  # noqa: E402
-from tasks import CONTEXT, digits_split, make_digits_model, make_gpt2, text_tokens, windows_of  # noqa: E402
-
-from hf_shampoo import DistributedShampoo  # noqa: E402
-
-SHAMPOO = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
-               grafting_epsilon=1e-8, weight_decay=1e-4, max_preconditioner_dim=128)
-SOAP = dict(betas=(0.9, 0.999), epsilon=1e-8, preconditioner="eigenvalue_corrected",
-            weight_decay=1e-4, max_preconditioner_dim=128)
+from benchmarks.common import StaleCounter, hardware
+from benchmarks.configs import ADAMW, SHAMPOO, SOAP
+from benchmarks.harness import train_loop
+from benchmarks.tasks import (
+    CONTEXT,
+    digits_split,
+    make_digits_model,
+    make_gpt2,
+    text_tokens,
+    windows_of,
+)
+from hf_shampoo import DistributedShampoo
 
 
 def configs(tolerances: list[float]) -> dict[str, dict | None]:
@@ -68,54 +69,48 @@ def configs(tolerances: list[float]) -> dict[str, dict | None]:
 
 
 def make_optimizer(model: nn.Module, config: dict | None, args):
-    """AdamW (``config`` None) or DistributedShampoo with ``config``, same lr for both."""
+    """AdamW (``config`` None) or DistributedShampoo with ``config`` and ``--frequency``,
+    same lr for both."""
     if config is None:
-        return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
-                                 weight_decay=1e-4)
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, **ADAMW)
     return DistributedShampoo(model.parameters(), lr=args.lr,
-                              precondition_frequency=args.frequency, **config)
-
-
-def train_gpt2(config: dict | None, seed: int, args) -> tuple[list[float], float, float]:
-    """Byte-level language model: training losses, validation loss (64 fixed windows)."""
-    train_tokens, val_tokens = text_tokens()
-    model = make_gpt2(seed)
-    opt = make_optimizer(model, config, args)
-    g = torch.Generator().manual_seed(seed + 1)
-    losses = []
-    for _ in range(args.steps):
-        starts = torch.randint(0, len(train_tokens) - CONTEXT, (args.batch_size,), generator=g)
-        batch = windows_of(train_tokens, starts)
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, 64).long()
-    with torch.no_grad():
-        batch = windows_of(val_tokens, starts)
-        validation = model(input_ids=batch, labels=batch).loss.item()
-    return losses, validation, float("nan")
+                              **dict(config, precondition_frequency=args.frequency))
 
 
 def train(kind: str, config: dict | None, seed: int, args) -> tuple[list[float], float, float]:
-    x, y, xt, yt = digits_split(seed)
-    model = make_digits_model(kind, seed)
+    """One run (``harness.train_loop``): training losses (``nan`` after a non-finite one,
+    which ends the run), the final test accuracy on digits or, for ``gpt2``, the validation
+    loss on 64 fixed windows (``nan`` for a diverged run), the stale share of QR refreshes."""
+    if kind == "gpt2":
+        train_tokens, val_tokens = text_tokens()
+        model = make_gpt2(seed)
+
+        def loss(model, starts):
+            batch = windows_of(train_tokens, starts)
+            return model(input_ids=batch, labels=batch).loss
+
+        def evaluate(model) -> float:
+            batch = windows_of(val_tokens, torch.linspace(0, len(val_tokens) - CONTEXT - 1,
+                                                          64).long())
+            return model(input_ids=batch, labels=batch).loss.item()
+
+        size = len(train_tokens) - CONTEXT
+    else:
+        x, y, xt, yt = digits_split(seed)
+        model = make_digits_model(kind, seed)
+        loss = lambda model, index: nn.functional.cross_entropy(model(x[index]), y[index])
+        evaluate = lambda model: (model(xt).argmax(1) == yt).float().mean().item()
+        size = len(y)
     opt = make_optimizer(model, config, args)
     g = torch.Generator().manual_seed(seed + 1)
-    losses = []
+    batches = (torch.randint(0, size, (args.batch_size,), generator=g)
+               for _ in range(args.steps))
     with StaleCounter(count_tolerance_zero=False) as counter:
-        for _ in range(args.steps):
-            index = torch.randint(0, len(y), (args.batch_size,), generator=g)
-            loss = nn.functional.cross_entropy(model(x[index]), y[index])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        run = train_loop(model, opt, batches, loss)
     with torch.no_grad():
-        accuracy = (model(xt).argmax(1) == yt).float().mean().item()
-    stale = counter.stale / counter.checked if counter.checked else float("nan")
-    return losses, accuracy, stale
+        metric = math.nan if run.diverged else evaluate(model)
+    stale = counter.stale / counter.checked if counter.checked and kind != "gpt2" else math.nan
+    return run.padded(args.steps), metric, stale
 
 
 def main() -> None:
@@ -151,10 +146,7 @@ def main() -> None:
         for name, config in configs(args.tolerances).items():
             if args.configs is not None and name not in args.configs:
                 continue
-            if kind == "gpt2":
-                runs = [train_gpt2(config, seed, args) for seed in range(args.seeds)]
-            else:
-                runs = [train(kind, config, seed, args) for seed in range(args.seeds)]
+            runs = [train(kind, config, seed, args) for seed in range(args.seeds)]
             cells = []
             for w in windows:
                 cells.append(statistics.mean(

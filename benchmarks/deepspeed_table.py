@@ -9,8 +9,8 @@ no gradient clipping. Each (path, stage, dtype) is one torchrun run of this file
 of the same path and dtype (``torch.equal``, else the largest absolute difference) and
 prints a markdown table.
 
-    python benchmarks/deepspeed_table.py                      # every cell, ~10 min on 2 cores
-    python benchmarks/deepspeed_table.py --paths trainer --stages 0 2
+    python -m benchmarks.deepspeed_table                      # every cell, ~10 min on 2 cores
+    python -m benchmarks.deepspeed_table --paths trainer --stages 0 2
 """
 
 from __future__ import annotations

@@ -14,22 +14,26 @@ amortized over ``--precondition-frequency`` steps (``steady + (refresh - steady)
 the overhead is ``(fwd+bwd + Shampoo) / (fwd+bwd + AdamW) - 1``. The all-gather is not
 timed (its volume is in the table).
 
-    python benchmarks/distributed_scaling.py --model resnet50 --worlds 1 2 4 8
-    python benchmarks/distributed_scaling.py --model gpt2 --worlds 1 2 4 8 --repeats 1 --e2e
+    python -m benchmarks.distributed_scaling --model resnet50 --worlds 1 2 4 8
+    python -m benchmarks.distributed_scaling --model gpt2 --worlds 1 2 4 8 --repeats 1 --e2e
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SimulatedRank, build_model, hardware, median, parameters_with_grads, timed  # noqa: E402
-
-from hf_shampoo import DistributedShampoo  # noqa: E402
+from benchmarks.common import (
+    SimulatedRank,
+    build_model,
+    hardware,
+    median,
+    parameters_with_grads,
+    timed,
+)
+from hf_shampoo import DistributedShampoo
 
 
 def rank_figures(model_name: str, world: int, rank: int, args) -> dict:

@@ -27,9 +27,9 @@ refresh is step 2F - 1. After 2F + 1 warm-up steps, F steps are timed: every blo
 preconditioning and refreshes exactly once in the window, under either schedule.
 On CUDA each step is bracketed by ``torch.cuda.synchronize()``.
 
-    python benchmarks/end_to_end.py --json $OUT/e2e.json      # on a GPU: a few minutes
-    python benchmarks/end_to_end.py --tiny --device cpu       # CPU-sized check, ~20 s
-    python benchmarks/end_to_end.py --write docs/benchmarks/gpu.md     # its marked section
+    python -m benchmarks.end_to_end --json $OUT/e2e.json      # on a GPU: a few minutes
+    python -m benchmarks.end_to_end --tiny --device cpu       # CPU-sized check, ~20 s
+    python -m benchmarks.end_to_end --write docs/benchmarks/gpu.md     # its marked section
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import contextlib
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -48,11 +47,9 @@ from collections.abc import Iterator
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import hardware, median, synchronize, write_section  # noqa: E402
-
-from hf_shampoo import DistributedShampoo  # noqa: E402  (also registers the Trainer name)
-from hf_shampoo.config import start_step  # noqa: E402
+from benchmarks.common import hardware, median, synchronize, write_section
+from hf_shampoo import DistributedShampoo  #also registers the Trainer name
+from hf_shampoo.config import start_step
 
 MARK_BEGIN = "<!-- end_to_end.py:begin -->"
 MARK_END = "<!-- end_to_end.py:end -->"

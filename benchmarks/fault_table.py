@@ -7,25 +7,20 @@ survived (the job finished), what of the trained state was lost (parameters and 
 state against a job never interrupted, bit for bit) and how many finished steps had to be
 redone (those after the checkpoint it resumed from). Wall times include the restarts.
 
-    python benchmarks/fault_table.py                  # Trainer and Accelerate, DDP and FSDP2
-    python benchmarks/fault_table.py --tools trainer --layouts ddp
+    python -m benchmarks.fault_table                  # Trainer and Accelerate, DDP and FSDP2
+    python -m benchmarks.fault_table --tools trainer --layouts ddp
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python benchmarks/fault_table.py` as well as `-m`
-    sys.path.insert(0, str(ROOT))
-
-from tests.fault_worker import attempts, differences, launch  # noqa: E402
+from tests.fault_worker import attempts, differences, launch
 
 CHAOS = "between@3@1,in_step@5@1,in_save@6@0"
 

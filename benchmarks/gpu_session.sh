@@ -61,13 +61,11 @@ print(\"transformers\", transformers.__version__, \"accelerate\", accelerate.__v
 }
 
 tests() {
-    local modules
-    modules=$($PY -c 'import sys; sys.argv = ["x"]
-from tests.conftest import DEVICE_GENERIC
-print(" ".join(f"tests/{m}.py" for m in sorted(DEVICE_GENERIC)))')
+    # the modules marked `device` (tests/conftest.py)
+    local modules=tests
     [ "$SMOKE" = 1 ] && modules="tests/test_host_sync.py tests/test_gpu.py tests/test_kronecker.py"
     HF_SHAMPOO_TEST_DEVICE=$DEVICE part tests 240 $PY -m pytest -q -p no:cacheprovider \
-        --junitxml="$OUT/tests.xml" $modules
+        -m device --junitxml="$OUT/tests.xml" $modules
 }
 
 step() {
@@ -82,21 +80,21 @@ step() {
         [ "$model" = resnet50 ] && limit=120
         [ "$model" = gpt2-medium ] && sizes=(--rounds 1 --steady 10 --qr-tolerance 0)
         [ "$SMOKE" = 1 ] && sizes+=(--steady 2 --threads 1)
-        part "step_$model" $limit $PY benchmarks/step_time.py --device "$DEVICE" \
+        part "step_$model" $limit $PY -m benchmarks.step_time --device "$DEVICE" \
             --model "$model" "${meta_args[@]}" "${sizes[@]}" --low-precision-roots
-        part "step_$model" 60 $PY benchmarks/step_time.py --device "$DEVICE" \
+        part "step_$model" 60 $PY -m benchmarks.step_time --device "$DEVICE" \
             --model "$model" --only-staggered --staggered $f
     done
     # inverse roots by eigh against the coupled iterations, ResNet-50's factors
     local roots=(--model resnet50 --rounds 3)
     [ "$SMOKE" = 1 ] && roots=(--model gpt2-tiny --rounds 1 --threads 1)
-    part "step_roots" 60 $PY benchmarks/root_solvers.py --device "$DEVICE" "${roots[@]}"
+    part "step_roots" 60 $PY -m benchmarks.root_solvers --device "$DEVICE" "${roots[@]}"
 }
 
 e2e() {  # e2e WORKLOAD SECONDS: AdamW (fused) against Shampoo F=100 staggered, + variants
     local size=()
     [ "$SMOKE" = 1 ] && size=(--tiny)
-    part "e2e_$1" "$2" $PY benchmarks/end_to_end.py --device "$DEVICE" "${size[@]}" \
+    part "e2e_$1" "$2" $PY -m benchmarks.end_to_end --device "$DEVICE" "${size[@]}" \
         --workload "$1" --variants qr bf16-roots \
         --json "$OUT/e2e_$1.json" --write "$OUT/e2e_$1.md"
 }
@@ -111,7 +109,7 @@ tp() {  # Accelerate's ND-parallel path on all GPUs (tensor parallel 2 where the
     local opt
     for opt in shampoo muon; do
         part tp 120 $PY -m torch.distributed.run --standalone --nproc_per_node "$gpus" \
-            benchmarks/accelerate_tp.py --tp-size 2 --device "$DEVICE" --optimizer "$opt"
+            -m benchmarks.accelerate_tp --tp-size 2 --device "$DEVICE" --optimizer "$opt"
     done
 }
 

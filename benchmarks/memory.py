@@ -9,25 +9,21 @@ runs (``distributed.greedy_assignment`` for DDP, the lossless FSDP2 planner of
 moments per parameter, sharded evenly under FSDP2 and replicated under DDP. Workspace and
 communication buffers are not state and are not counted (``sharded_scaling.py`` has them).
 
-    python benchmarks/memory.py                         # tables
-    python benchmarks/memory.py --plot benchmarks/figures/memory.png
+    python -m benchmarks.memory                         # tables
+    python -m benchmarks.memory --plot benchmarks/figures/memory.png
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_model  # noqa: E402
-from sharded_scaling import block_shape, blocks_of, simulated_sharded  # noqa: E402
-
-from hf_shampoo.config import DEFAULTS  # noqa: E402
-from hf_shampoo.distributors import block_cost, greedy_assignment  # noqa: E402
-from hf_shampoo.stack import BlockStack  # noqa: E402
+from benchmarks.common import block_shape, blocks_of, build_model, simulated_sharded
+from hf_shampoo.config import DEFAULTS
+from hf_shampoo.distributors import block_cost, greedy_assignment
+from hf_shampoo.stack import BlockStack
 
 MIB = 2.0**20
 BASE = {**DEFAULTS, "betas": (0.9, 0.999), "lr": 1e-3}

@@ -11,16 +11,15 @@ the table gives medians over rounds of the slowest rank's time. Under DDP every 
 torch.optim.Muon orthogonalizes every matrix (it knows nothing of the other ranks), while
 ours orthogonalizes the matrices a rank owns and all-gathers the directions.
 
-    python benchmarks/muon_step_time.py --worlds 1 2 4
-    python benchmarks/muon_step_time.py --worlds 2 4 --communication-dtype bfloat16
-    python benchmarks/muon_step_time.py --worlds 1 2 --rounds 3 --layers 1 --width 64
+    python -m benchmarks.muon_step_time --worlds 1 2 4
+    python -m benchmarks.muon_step_time --worlds 2 4 --communication-dtype bfloat16
+    python -m benchmarks.muon_step_time --worlds 1 2 --rounds 3 --layers 1 --width 64
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
@@ -28,11 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import hardware, median  # noqa: E402
-from tasks import make_gpt2  # noqa: E402
-
-from hf_shampoo import DistributedShampoo  # noqa: E402
+from benchmarks.common import command_line, hardware, median
+from benchmarks.tasks import make_gpt2
+from hf_shampoo import DistributedShampoo
 
 HIDDEN = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MU, LR, WD = 0.95, 0.02, 0.1
@@ -132,7 +129,7 @@ def main(argv=None) -> None:
                              "rounded to bfloat16 as torch.optim.Muon's is)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"`python benchmarks/muon_step_time.py {' '.join(sys.argv[1:])}`; {hardware()}; "
+    print(f"`{command_line()}`; {hardware()}; "
           "one thread per rank\n")
     print(f"GPT-2 hidden matrices ({args.layers} layers, width {args.width}); median over "
           f"{args.rounds} interleaved rounds of the slowest rank's step; our directions "

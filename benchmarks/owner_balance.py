@@ -17,21 +17,16 @@ Configurations: Shampoo with Adam grafting (max_preconditioner_dim 1024), and th
 preset of ``make_optimizer`` (spectral descent on hidden matrices, Adam on the rest), where
 vectors and embeddings hold Adam's two moments and matrices one momentum.
 
-    python benchmarks/owner_balance.py --models resnet50 gpt2 --worlds 2 4 8
+    python -m benchmarks.owner_balance --models resnet50 gpt2 --worlds 2 4 8
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SimulatedRank, build_model, hardware  # noqa: E402
-from sharded_scaling import simulated_sharded  # noqa: E402
-
-from hf_shampoo import DistributedShampoo, make_optimizer  # noqa: E402
-from hf_shampoo.distributors import block_cost  # noqa: E402
+from benchmarks.common import SimulatedRank, build_model, hardware, simulated_sharded
+from hf_shampoo import DistributedShampoo, make_optimizer
+from hf_shampoo.distributors import block_cost
 
 CONFIGS = {
     "shampoo": lambda model: DistributedShampoo(

@@ -20,7 +20,7 @@ received in a step: measured (``bytes_last_step``) and computed from the layout 
 computed for the others (a ring all-gather sends and receives what a rank lacks). With 4
 processes on fewer cores the times are oversubscribed alike for the three schemes.
 
-    python benchmarks/parallel_step.py --steps 3 --layers 4
+    python -m benchmarks.parallel_step --steps 3 --layers 4
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -37,10 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_model, hardware  # noqa: E402
-
-from hf_shampoo import DistributedShampoo  # noqa: E402
+from benchmarks.common import build_model, hardware
+from hf_shampoo import DistributedShampoo
 
 WORLD = 4
 CONFIG = dict(lr=1e-3, betas=(0.9, 0.999), grafting="adam", max_preconditioner_dim=1024,

@@ -8,8 +8,8 @@ each case prints the relative error ``max over parameters of ‖W_ours − W_met
 Exit status 1 when a case exceeds its tolerance: ``--tolerance`` (default 1e-6), or the
 case's own where it sets one (float16 inverse roots: 1e-5; see ``cases``).
 
-    python benchmarks/parity.py --meta-path ../optimizers
-    python benchmarks/parity.py --meta-path ../optimizers \
+    python -m benchmarks.parity --meta-path ../optimizers
+    python -m benchmarks.parity --meta-path ../optimizers \
         --cases soap_qr1_tol0.0 kl_shampoo_graft_adam
 
 ``cases(meta)`` is also what ``tests/test_parity_meta.py`` runs (opt-in: it needs

@@ -17,8 +17,8 @@ warm-up, for several seeds; prints the validation loss of each and its differenc
 without quantisation error (``LosslessStorage``): the same sampled statistics, float32 numbers. It
 separates what the sample cadence costs from what the 4-bit numbers cost.
 
-    python benchmarks/quantization_accuracy.py roots --steps 300 --lr 1e-2
-    python benchmarks/quantization_accuracy.py train --lrs 3e-3 1e-2 --seeds 0 1 2 \
+    python -m benchmarks.quantization_accuracy roots --steps 300 --lr 1e-2
+    python -m benchmarks.quantization_accuracy train --lrs 3e-3 1e-2 --seeds 0 1 2 \
         --schedules cosine constant --configs 32-bit 4-bit
 """
 
@@ -27,25 +27,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ablation import language_model_parts, warmup_cosine  # noqa: E402
-from common import hardware  # noqa: E402
-from tasks import make_gpt2, text_tokens  # noqa: E402
-
-from hf_shampoo import DistributedShampoo, quantization  # noqa: E402
-from hf_shampoo.preconditioners.quantized import QuantizedFactors, QuantizedShampoo  # noqa: E402
+from benchmarks.common import hardware
+from benchmarks.configs import SHAMPOO
+from benchmarks.harness import train_loop, warmup_cosine
+from benchmarks.tasks import language_model_parts, make_gpt2, text_tokens
+from hf_shampoo import DistributedShampoo, quantization
+from hf_shampoo.preconditioners.quantized import QuantizedFactors, QuantizedShampoo
 
 # the configuration of the report: Adam grafting, ε 1e-12, f = 10, blocks of 256
-BASE = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
-            grafting_epsilon=1e-8, weight_decay=1e-4, max_preconditioner_dim=256,
-            precondition_frequency=10)
+BASE = dict(SHAMPOO, max_preconditioner_dim=256)
 CONFIGS = {
     "32-bit": dict(BASE),
     "4-bit": dict(BASE, quantization="4bit"),
@@ -165,15 +160,11 @@ def roots(args) -> None:
     batches, loss_fn, _ = language_model_parts(Args, *tokens)
     model = make_gpt2(0, n_embd=128)
     opt = DistributedShampoo(model.parameters(), lr=args.lr, **BASE)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, decay=False))
     errors: dict[tuple, list[tuple[float, float]]] = {}
-    for step, batch in enumerate(batches(0, args.steps), start=1):
-        opt.zero_grad()
-        loss_fn(model, batch).backward()
-        opt.step()
-        schedule.step()
+
+    def compare(step: int) -> None:
         if step % BASE["precondition_frequency"] or step < args.start:
-            continue
+            return
         bias = 1 - BASE["betas"][1] ** step
         for stack in opt._layout.owned:
             for j, d in enumerate(stack.shape):
@@ -190,6 +181,9 @@ def roots(args) -> None:
                         for rep, pair in root_errors(factor, bias, epsilon, g,
                                                      args.bjorck).items():
                             errors.setdefault((epsilon, rep), []).append(pair)
+
+    train_loop(model, opt, batches(0, args.steps), loss_fn,
+               warmup_cosine(args.steps, decay=False), after_step=compare)
     print(f"{hardware()}; 32-bit Shampoo on the small GPT-2, lr {args.lr} constant after "
           f"the warm-up, refreshes from step {args.start} to {args.steps}, factors with "
           f"d² ≥ {quantization.MIN_QUANTIZED_ELEMENTS}, Björck steps {args.bjorck}\n")
@@ -212,16 +206,10 @@ def train_config(config: dict, lr: float, seed: int, steps: int, schedule: str) 
     batches, loss_fn, evaluate = language_model_parts(Args, *tokens)
     model = make_gpt2(seed, n_embd=128)
     opt = DistributedShampoo(model.parameters(), lr=lr, **config)
-    lambda_lr = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine(steps, decay=schedule == "cosine"))
-    for batch in batches(seed, steps):
-        opt.zero_grad()
-        loss = loss_fn(model, batch)
-        if not math.isfinite(loss.item()):
-            return math.nan
-        loss.backward()
-        opt.step()
-        lambda_lr.step()
+    run = train_loop(model, opt, batches(seed, steps), loss_fn,
+                     warmup_cosine(steps, decay=schedule == "cosine"))
+    if run.diverged:
+        return math.nan
     return evaluate(model)["val loss"]
 
 

@@ -10,23 +10,19 @@ matrices of one size and root batched as the optimizer batches them; solvers are
 interleaved rounds (medians). The accuracy column is the median over factors of
 ``‖X − X_64‖_F / ‖X_64‖_F`` against a float64 eigh root.
 
-    python benchmarks/root_solvers.py --threads 2
-    python benchmarks/root_solvers.py --device cuda --dtype float32
+    python -m benchmarks.root_solvers --threads 2
+    python -m benchmarks.root_solvers --device cuda --dtype float32
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MODELS, build_model, hardware, median  # noqa: E402
-
-from hf_shampoo import DistributedShampoo, linalg, root_solvers  # noqa: E402
+from benchmarks.common import MODELS, build_model, hardware, median
+from hf_shampoo import DistributedShampoo, linalg, root_solvers
 
 EPSILON = 1e-12
 

@@ -19,29 +19,32 @@ every direction still applied; local: its shard's blocks), steady and refresh, o
 timed as ``distributed_scaling.py`` does
 (the collectives are not timed; their volume is in the first table).
 
-    python benchmarks/sharded_scaling.py --models resnet50 gpt2 --worlds 2 4 8
-    python benchmarks/sharded_scaling.py --models resnet50 --worlds 2 4 8 --time
+    python -m benchmarks.sharded_scaling --models resnet50 gpt2 --worlds 2 4 8
+    python -m benchmarks.sharded_scaling --models resnet50 --worlds 2 4 8 --time
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SimulatedRank, build_model, hardware, median, timed  # noqa: E402
-
-from hf_shampoo import DistributedShampoo  # noqa: E402
-from hf_shampoo.blocking import ParamBlocking  # noqa: E402
-from hf_shampoo.config import DEFAULTS  # noqa: E402
-from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment  # noqa: E402
-from hf_shampoo.distributors.fsdp import ShardedDistributor  # noqa: E402
-from hf_shampoo.distributors.placements import chunk_boxes  # noqa: E402
-from hf_shampoo.stack import BlockRef, BlockStack  # noqa: E402
+from benchmarks.common import (
+    SimulatedRank,
+    block_shape,
+    blocks_of,
+    build_model,
+    hardware,
+    median,
+    simulated_sharded,
+    timed,
+)
+from hf_shampoo import DistributedShampoo
+from hf_shampoo.blocking import ParamBlocking
+from hf_shampoo.config import DEFAULTS
+from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment
+from hf_shampoo.stack import BlockStack
 
 MIB = 2.0**20
 GROUP = {**DEFAULTS, "grafting": "adam", "betas": (0.9, 0.999), "lr": 1e-3}
@@ -50,29 +53,6 @@ GROUP = {**DEFAULTS, "grafting": "adam", "betas": (0.9, 0.999), "lr": 1e-3}
 def state_numel(shape: tuple[int, ...], group: dict) -> int:
     stack = BlockStack(0, shape, [], torch.float32)
     return sum(math.prod(s) for s, _ in stack.expected_state(group).values())
-
-
-def simulated_sharded(world: int) -> ShardedDistributor:
-    """The lossless distributor's plan for rank 0 of a ``world``-rank FSDP2 mesh (rows
-    chunked as ``fully_shard`` does), without a process group."""
-    return ShardedDistributor(rank=0, world_size=world, boxes_of=lambda params, names: {
-        i: chunk_boxes(p.shape, world) for i, p in params.items()})
-
-
-def blocks_of(params, max_dim: int) -> list[BlockRef]:
-    blocks = []
-    for index, p in enumerate(params):
-        blocking = ParamBlocking.of(p.shape, max_dim)
-        single = len(blocking.slices) == 1
-        blocks += [BlockRef(0, index, b, p, str(index), blocking.merged, None if single else sl)
-                   for b, sl in enumerate(blocking.slices)]
-    return blocks
-
-
-def block_shape(block) -> tuple[int, ...]:
-    if block.slices is None:
-        return block.merged
-    return tuple(s.stop - s.start for s in block.slices)
 
 
 def lossless(params, world: int, max_dim: int) -> dict:

@@ -36,9 +36,9 @@ before reading the clock. ``--model`` also takes ``gpt2-medium`` (355M) and ``gp
 Meta's implementation is never vendored: pass ``--meta-path`` (a checkout of
 facebookresearch/optimizers) or put it on PYTHONPATH.
 
-    python benchmarks/step_time.py --meta-path ../optimizers --threads 2
-    python benchmarks/step_time.py --device cuda --model gpt2-medium --meta-path .meta
-    python benchmarks/step_time.py --write docs/benchmarks/step_time.md   # its marked section
+    python -m benchmarks.step_time --meta-path ../optimizers --threads 2
+    python -m benchmarks.step_time --device cuda --model gpt2-medium --meta-path .meta
+    python -m benchmarks.step_time --write docs/benchmarks/step_time.md   # its marked section
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from benchmarks.common import (
     MODELS,
     StaleCounter,
     build_model,
@@ -61,8 +60,8 @@ from common import (  # noqa: E402
     timed,
     write_section,
 )
-
-from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg  # noqa: E402
+from benchmarks.harness import train_loop
+from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg
 
 F = 100_000  # precondition_frequency = start_preconditioning_step for the counter trick
 MARK_BEGIN = "<!-- step_time.py:begin -->"
@@ -269,13 +268,13 @@ def real_run(frequency: int, steps: int, batch: int, device: torch.device | str 
                              precondition_frequency=frequency, distributed="none", **kw)
     g = torch.Generator().manual_seed(0)
     times = []
+    batches = (torch.randint(0, len(labels), (batch,), generator=g).to(device)
+               for _ in range(steps))
     with StaleCounter() as counter:
-        for _ in range(steps):
-            index = torch.randint(0, len(labels), (batch,), generator=g).to(device)
-            loss = torch.nn.functional.cross_entropy(model(images[index]), labels[index])
-            opt.zero_grad()
-            loss.backward()
-            times.append(timed_once(opt.step, device))
+        train_loop(model, opt, batches,
+                   lambda model, i: torch.nn.functional.cross_entropy(model(images[i]),
+                                                                      labels[i]),
+                   step=lambda: times.append(timed_once(opt.step, device)))
     return times, (counter.stale / counter.checked if counter.checked else float("nan"))
 
 

@@ -172,6 +172,29 @@ def windows_of(tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     return torch.stack([tokens[s : s + CONTEXT] for s in starts.tolist()])
 
 
+def language_model_parts(args, train_tokens: torch.Tensor, val_tokens: torch.Tensor):
+    """``(batches, loss, evaluate)`` of a byte-level language-model task: random training
+    windows (fixed by the seed), the causal LM loss, the loss on ``--val-windows`` fixed
+    validation windows."""
+    val_starts = torch.linspace(0, len(val_tokens) - CONTEXT - 1, args.val_windows).long()
+    val_batch = windows_of(val_tokens, val_starts)
+
+    def batches(seed: int, steps: int) -> list:
+        g = torch.Generator().manual_seed(seed + 1)
+        return [torch.randint(0, len(train_tokens) - CONTEXT, (args.text_batch_size,),
+                              generator=g) for _ in range(steps)]
+
+    def loss(model, starts):
+        batch = windows_of(train_tokens, starts)
+        return model(input_ids=batch, labels=batch).loss
+
+    def evaluate(model) -> dict[str, float]:
+        with torch.no_grad():
+            return {"val loss": model(input_ids=val_batch, labels=val_batch).loss.item()}
+
+    return batches, loss, evaluate
+
+
 # ------------------------------------------------------------------ Hugging Face datasets
 def _hf_splits(name: str, holdout: float = 0.2):
     import datasets

@@ -14,17 +14,16 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "ablation.py")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from benchmarks import ablation, tasks
 
-import ablation  # noqa: E402
-import tasks  # noqa: E402
+pytestmark = pytest.mark.benchmarks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(*args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.ablation", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

@@ -20,6 +20,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from tests.helpers import F64, random_tensors
 
+pytestmark = pytest.mark.unit
+
 OFF = {"precondition_frequency": 100, "start_preconditioning_step": 100}  # no Shampoo yet
 SHAPES = [(4, 3), (5,)]
 

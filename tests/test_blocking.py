@@ -5,6 +5,8 @@ import pytest
 from hf_shampoo.blocking import block_shapes, merged_shape
 from tests.reference_shampoo import reference_block_slices, reference_merged_shape
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 
 @pytest.mark.parametrize(
     ("shape", "max_dim", "expected"),

@@ -10,6 +10,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from tests.helpers import generator
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 SHAPES = {"w": (5, 4), "conv": (3, 2, 2, 2), "b": (5,), "s": ()}
 
 

@@ -23,6 +23,8 @@ from hf_shampoo.checkpoint.integrity import (
     trainer_checkpoint_problem,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def trained(seed: int = 0, steps: int = 3) -> tuple[torch.nn.Module, DistributedShampoo]:
     torch.manual_seed(seed)

@@ -19,6 +19,8 @@ import torch
 from hf_shampoo import DistributedShampoo, compiled, stages
 from hf_shampoo.integrations.transformers.arguments import parse_optim_args
 
+pytestmark = pytest.mark.unit
+
 AOT = {"backend": "aot_eager"}
 SHAPES = [(4, 3, 3, 3), (4,), (10, 12), (10,), (3, 10), (6, 5)]
 

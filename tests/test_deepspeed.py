@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integrations
+
 pytest.importorskip(
     "deepspeed", reason="DeepSpeed is not installed (pip install 'deepspeed>=0.19,<0.20')")
 

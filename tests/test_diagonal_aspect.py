@@ -11,6 +11,8 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import describe_rows
 from tests.helpers import assert_resumes_exactly, generator
 
+pytestmark = pytest.mark.unit
+
 
 def _root(eigenvalues: torch.Tensor, vectors: torch.Tensor | None, epsilon: float, e: float):
     """The inverse root as docs/design.md §2 defines it, from the eigenvalues of A + εI

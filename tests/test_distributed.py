@@ -19,6 +19,8 @@ from hf_shampoo.distributors import block_cost, greedy_assignment
 from tests import distributed_worker as worker
 from tests.helpers import assert_bitwise, one_thread_per_process
 
+pytestmark = pytest.mark.distributed
+
 torch.set_num_threads(1)
 
 

@@ -30,6 +30,8 @@ Rules, by the fence's language tag:
     ``.py`` or the word after ``-m``; words between are launcher flags and their values.
     All ``--help`` texts are collected in one process (each script run by ``runpy`` with
     ``sys.argv = [script, "--help"]``) to pay for the imports once.
+  - ``python -m benchmarks.NAME ARGS`` (also after a launcher): ``benchmarks/NAME.py``
+    exists and its ``--help`` (collected by ``runpy.run_module``) has every ``--flag``.
   - Scripts that are not in this repository are allowed only by name, from
     ``EXTERNAL_SCRIPTS``: transformers' ``run_clm.py`` and ``-m my_package.train`` (flags
     checked against ``HfArgumentParser(TrainingArguments)``), and ``train.py`` (timm's
@@ -64,6 +66,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.integrations
 
 REPO = Path(__file__).resolve().parent.parent
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -206,11 +210,17 @@ def target_checks(target: str | None, is_module: bool, words: list[str]) -> list
     if is_module:
         if target == "hf_shampoo.run":
             return hf_run_checks(words)
-        if target == "pytest":  # the test files named must exist
-            return [Check("error", f"no such test file: {w}") for w in words
-                    if not w.startswith("-") and not (REPO / w.split("::")[0]).exists()]
+        if target == "pytest":  # the test files named must exist (-m / -k take a value)
+            named = [w for i, w in enumerate(words) if not w.startswith("-")
+                     and (i == 0 or words[i - 1] not in ("-m", "-k"))]
+            return [Check("error", f"no such test file: {w}") for w in named
+                    if not (REPO / w.split("::")[0]).exists()]
         if target in EXTERNAL_SCRIPTS:
             return [Check("program", EXTERNAL_SCRIPTS[target], long_flags(words))]
+        if target.startswith("benchmarks."):  # python -m benchmarks.NAME: benchmarks/NAME.py
+            if not (REPO / (target.replace(".", "/") + ".py")).is_file():
+                return [Check("error", f"no such benchmark module: {target}")]
+            return [Check("program", f"-m {target}", long_flags(words))]
         return [Check("error", f"unknown module {target!r} (add it to the test)")]
     if target in EXTERNAL_SCRIPTS:
         return [Check("program", EXTERNAL_SCRIPTS[target], long_flags(words))]
@@ -340,6 +350,9 @@ for name in programs:
         helps[name] = collect(["accelerate", "launch", "--help"], run)
     elif name == "transformers:TrainingArguments":
         helps[name] = collect(["run_clm.py", "--help"], training_arguments)
+    elif name.startswith("-m "):  # a module of this checkout (python -m benchmarks.NAME)
+        run = lambda: runpy.run_module(name[3:], run_name="__main__", alter_sys=True)
+        helps[name] = collect([name[3:], "--help"], run)
     else:  # a script, with its folder first on sys.path as `python SCRIPT` has it
         sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
         run = lambda: runpy.run_path(name, run_name="__main__")
@@ -491,6 +504,10 @@ def test_the_flag_checks_can_fail():
     assert checks_for("bash benchmarks/nope.sh step")[0].kind == "error"
     assert checks_for("python -m pytest -q tests/test_nope.py")[0].kind == "error"
     assert checks_for("python -m pytest -q tests/test_gpu.py") == []
+    assert checks_for("python -m pytest -q -m device tests/test_gpu.py") == []
+    assert checks_for("python -m benchmarks.nope --steps 3")[0].kind == "error"
+    assert checks_for("python -m benchmarks.ablation --smok") == [
+        Check("program", "-m benchmarks.ablation", ("--smok",))]
     assert [c.flags for c in checks_for('srun --nodes=2 bash -c "torchrun --nnodez 2 x.py"')
             if c.name == "torchrun"] == [("--nnodez",)]
     assert checks_for("srun --nodes=2")[0].kind == "error"

@@ -11,6 +11,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from tests.helpers import F64, random_tensors, run_against_reference
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 BASE = {"lr": 0.05, "epsilon": 1e-6, "max_preconditioner_dim": 8, "precondition_frequency": 2}
 
 

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "end_to_end.py")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from benchmarks import end_to_end
 
-import end_to_end  # noqa: E402
+pytestmark = pytest.mark.benchmarks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 F, WARMUP = 4, 9  # --tiny: precondition_frequency 4, warm-up 2F + 1
 OPTIMIZERS = {
@@ -29,8 +29,9 @@ OTHER = "# Results\n\nText before.\n\n{section}\n## Later\n\nText after.\n"
 
 def run_script(*args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--device",
+                           "cpu", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

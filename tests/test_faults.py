@@ -24,7 +24,8 @@ import pytest
 
 from tests.fault_worker import attempts, differences, launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.slow]
 
 CHAOS = "between@3@1,in_step@5@1,in_save@6@0"
 RESUMED = ["-", "checkpoint-2", "checkpoint-4", "checkpoint-4"]  # the Trainer's names

@@ -20,8 +20,9 @@ import torch
 from hf_shampoo import DistributedShampoo
 from tests.helpers import TEST_DEVICE, assert_trainer_resumed_exactly, run_trainer_fsdp_worker
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cuda",
-                                reason="needs HF_SHAMPOO_TEST_DEVICE=cuda and a GPU")
+pytestmark = [pytest.mark.unit, pytest.mark.device,
+              pytest.mark.skipif(TEST_DEVICE.type != "cuda",
+                                 reason="needs HF_SHAMPOO_TEST_DEVICE=cuda and a GPU")]
 
 F64 = torch.float64
 SHAPES = [(8, 6), (6,), (3, 4, 5), (40, 6)]

@@ -22,6 +22,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from tests.helpers import TEST_DEVICE, generator
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 SYNCING_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
                    "nonzero", "numpy")
 

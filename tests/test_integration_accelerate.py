@@ -31,6 +31,8 @@ from hf_shampoo.integrations.accelerate import (
 )
 from hf_shampoo.integrations.modules import make_optimizer
 
+pytestmark = pytest.mark.integrations
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -17,6 +17,8 @@ from hf_shampoo.integrations.modules import (
     walk,
 )
 
+pytestmark = pytest.mark.integrations
+
 VOCAB = 96
 
 

@@ -25,6 +25,8 @@ from hf_shampoo.blocking import is_vector_like
 from hf_shampoo.integrations import timm as timm_integration
 from hf_shampoo.integrations.timm import create_shampoo, register
 
+pytestmark = pytest.mark.integrations
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

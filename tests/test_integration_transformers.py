@@ -32,6 +32,8 @@ from hf_shampoo.integrations import transformers as hft
 from hf_shampoo.integrations.modules import describe
 from hf_shampoo.integrations.transformers import registration
 
+pytestmark = pytest.mark.integrations
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -15,6 +15,8 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.transformers import parse_optim_args
 from tests.helpers import TEST_DEVICE, generator
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 SHAPES = [(12, 8), (5,)]
 
 

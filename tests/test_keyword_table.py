@@ -16,6 +16,8 @@ from hf_shampoo.integrations.transformers.arguments import cast_value, parse_opt
 from hf_shampoo.preconditioners import KINDS
 from hf_shampoo.preconditioners.base import KroneckerFactored
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -5,6 +5,8 @@ import torch
 
 from hf_shampoo import kronecker
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 
 @pytest.mark.parametrize("shape", [(5,), (4, 3), (3, 4, 2), (2, 3, 2, 2)])
 def test_update_factor_matches_contraction(shape):

@@ -9,6 +9,8 @@ import torch
 from hf_shampoo import DistributedShampoo, eigenbasis, linalg
 from tests.helpers import generator
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 
 def _spd(n, d, seed=0, dtype=torch.float64):
     g = generator(seed)

@@ -23,6 +23,8 @@ from hf_shampoo.integrations.modules import (
     walk,
 )
 
+pytestmark = pytest.mark.integrations
+
 LM = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
           num_attention_heads=4, num_key_value_heads=2)
 BERT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

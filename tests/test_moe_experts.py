@@ -22,6 +22,8 @@ from hf_shampoo.integrations.modules import (
 from hf_shampoo.integrations.transformers.arguments import parse_optim_args
 from tests.helpers import assert_resumes_exactly
 
+pytestmark = pytest.mark.unit
+
 EXPERTS = 4
 
 

@@ -18,6 +18,8 @@ from tests import multi_node_worker as worker
 from tests import sharded_worker
 from tests.helpers import assert_bitwise, torchrun_nodes
 
+pytestmark = pytest.mark.distributed
+
 torch.set_num_threads(1)
 
 NODES, PER_NODE = 2, 2

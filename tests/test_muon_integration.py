@@ -27,6 +27,8 @@ from tests.test_integration_transformers import (
     training_args,
 )
 
+pytestmark = pytest.mark.integrations
+
 HIDDEN = ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
           "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight")
 ADAM = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",

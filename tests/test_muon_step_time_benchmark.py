@@ -12,12 +12,13 @@ import torch
 
 from tests.test_integration_transformers import run
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"),
-                                reason="torch.optim.Muon needs torch 2.9+")
+pytestmark = [pytest.mark.benchmarks,
+              pytest.mark.skipif(not hasattr(torch.optim, "Muon"),
+                                 reason="torch.optim.Muon needs torch 2.9+")]
 
 
 def test_toy_run_prints_a_row_per_world_with_the_same_numbers():
-    out = run([sys.executable, "benchmarks/muon_step_time.py", "--worlds", "1", "2",
+    out = run([sys.executable, "-m", "benchmarks.muon_step_time", "--worlds", "1", "2",
                "--rounds", "2", "--warmup", "0", "--layers", "1", "--width", "32"])
     rows = [line for line in out.splitlines() if re.match(r"\| [12] \|", line)]
     assert len(rows) == 2, out

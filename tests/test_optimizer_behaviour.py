@@ -10,6 +10,8 @@ from hf_shampoo import DistributedShampoo, ShampooNumericalError
 from tests.helpers import F64, assert_resumes_exactly, generator, random_tensors
 from tests.reference_shampoo import ReferenceShampoo
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 CONFIG = {
     "lr": 0.1,
     "betas": (0.9, 0.99),

@@ -13,6 +13,8 @@ from hf_shampoo.distributors.fsdp import ShardedDistributor
 from hf_shampoo.distributors.placements import chunk_boxes
 from hf_shampoo.preconditioners import kind_of
 
+pytestmark = pytest.mark.unit
+
 
 class _DataParallelPlan(SingleProcessDistributor):
     """The data-parallel assignment (greedy over all blocks) for a simulated world."""

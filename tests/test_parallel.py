@@ -27,6 +27,8 @@ from tests.helpers import (
     one_thread_per_process,
 )
 
+pytestmark = pytest.mark.distributed
+
 torch.set_num_threads(1)
 
 EXACT = [n for n in worker.SCENARIOS if n not in dict(ROUNDED_COMMUNICATION)]

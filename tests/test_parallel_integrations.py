@@ -40,6 +40,8 @@ import torch.multiprocessing as mp
 from tests import transformers_tp_worker as worker
 from tests.helpers import one_thread_per_process, torchrun
 
+pytestmark = pytest.mark.integrations
+
 torch.set_num_threads(1)
 HOWS = ["distcfg", "torch"]
 ATOL = 1e-6

@@ -9,27 +9,25 @@ Runs when ``HF_SHAMPOO_META_PATH`` points at a checkout of facebookresearch/opti
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 META = os.environ.get("HF_SHAMPOO_META_PATH")
-pytestmark = pytest.mark.skipif(not META, reason="set HF_SHAMPOO_META_PATH to a checkout of "
-                                "facebookresearch/optimizers to compare with Meta's numbers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+pytestmark = [pytest.mark.reference, pytest.mark.device,
+              pytest.mark.skipif(not META, reason="set HF_SHAMPOO_META_PATH to a checkout of "
+                                 "facebookresearch/optimizers to compare with Meta's numbers")]
 
 
 def _cases():
     if not META:
         return []
-    import parity
+    from benchmarks import parity
 
     return parity.cases(parity.load_meta(META))
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c.name)
 def test_within_1e6_of_meta(case):
-    import parity
+    from benchmarks import parity
 
     assert parity.run_case(case, steps=27) <= (case.tolerance or 1e-6)

@@ -9,6 +9,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import describe_rows
 
+pytestmark = pytest.mark.integrations
+
 peft = pytest.importorskip("peft", reason="peft is a test extra")
 transformers = pytest.importorskip("transformers")
 

@@ -9,6 +9,8 @@ from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg
 from tests.helpers import F64, generator, random_tensors
 from tests.reference_shampoo import ReferenceShampoo
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 # ------------------------------------------------------------ refresh_schedule
 
 

@@ -10,6 +10,8 @@ from hf_shampoo.preconditioners.quantized import QuantizedShampoo
 from hf_shampoo.stack import BlockStack
 from tests.helpers import generator
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 LEVELS = quantization.linear_square_levels(torch.float64)
 
 

@@ -6,16 +6,14 @@ nothing is changed."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import pytest
 import torch
 
+from benchmarks.quantization_accuracy import LosslessStorage
 from hf_shampoo import DistributedShampoo, quantization
 from hf_shampoo.preconditioners.quantized import QuantizedFactors
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from quantization_accuracy import LosslessStorage  # noqa: E402
+pytestmark = pytest.mark.benchmarks
 
 
 def _train(steps: int = 30, **options) -> torch.Tensor:

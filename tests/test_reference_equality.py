@@ -9,6 +9,8 @@ import torch
 from tests.helpers import F64, generator, random_tensors, run_against_reference
 from tests.reference_shampoo import ReferenceShampoo
 
+pytestmark = [pytest.mark.reference, pytest.mark.device]
+
 # max_preconditioner_dim=8 keeps (4, 5)-like parameters 2-D (the default 1024 would merge them)
 BASE = {"lr": 0.1, "epsilon": 1e-6, "max_preconditioner_dim": 8}
 

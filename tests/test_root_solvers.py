@@ -10,6 +10,8 @@ import torch
 from hf_shampoo import DistributedShampoo, root_solvers
 from tests.helpers import F64, TEST_DEVICE, generator, run_against_reference
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 
 def _spd(n: int, d: int, seed: int, spread: float = 1e3) -> torch.Tensor:
     """Random symmetric positive definite matrices with eigenvalues in [1, spread]."""
@@ -138,11 +140,7 @@ def test_bad_root_solver_settings_are_refused(changes, message):
 
 def test_refresh_benchmark_prints_every_solver(capsys):
     """benchmarks/root_solvers.py at toy size: one row per solver, all accurate."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-    import root_solvers as bench
+    from benchmarks import root_solvers as bench
 
     bench.main(["--model", "gpt2-tiny", "--rounds", "1", "--threads", "1",
                 "--device", str(TEST_DEVICE)])

@@ -24,6 +24,8 @@ from tests.helpers import (
     one_thread_per_process,
 )
 
+pytestmark = pytest.mark.distributed
+
 torch.set_num_threads(1)
 MESHES = {"w2": (2, False, None), "w3": (3, False, "w2"), "hsdp": (4, True, "w3")}
 

@@ -25,6 +25,8 @@ from tests.helpers import (
     run_trainer_fsdp_worker,
 )
 
+pytestmark = pytest.mark.integrations
+
 
 @pytest.fixture(scope="module")
 def accelerate_runs():

@@ -17,6 +17,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.orthogonalization import lr_adjustment
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 MUON = (3.4445, -4.7750, 2.0315)
 

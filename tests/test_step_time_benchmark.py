@@ -15,13 +15,14 @@ import pytest
 
 from tests.helpers import TEST_DEVICE
 
+pytestmark = [pytest.mark.benchmarks, pytest.mark.device]
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "step_time.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "benchmarks.step_time", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -14,6 +14,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from tests.helpers import generator
 
+pytestmark = pytest.mark.reference
+
 CONFIG = dict(lr=0.02, grafting="adam", precondition_frequency=3, max_preconditioner_dim=8)
 
 

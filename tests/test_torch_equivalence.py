@@ -11,6 +11,8 @@ import torch
 from hf_shampoo import DistributedShampoo
 from tests.helpers import F64, random_tensors
 
+pytestmark = [pytest.mark.reference, pytest.mark.device]
+
 OFF = {"precondition_frequency": 100, "start_preconditioning_step": 100}
 SHAPES = [(4, 3), (5,)]
 STEPS = 6

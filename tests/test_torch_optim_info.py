@@ -18,6 +18,8 @@ import torch
 
 from hf_shampoo import DistributedShampoo
 
+pytestmark = pytest.mark.reference
+
 common = pytest.importorskip("torch.testing._internal.common_optimizers",
                              reason="torch's optimizer test machinery needs expecttest")
 ErrorOptimizerInput = common.ErrorOptimizerInput

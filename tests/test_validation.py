@@ -7,6 +7,8 @@ import torch
 
 from hf_shampoo import DistributedShampoo
 
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
 
 def param(shape=(3, 4)):
     return torch.nn.Parameter(torch.randn(shape))

@@ -10,6 +10,8 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import describe_rows
 from tests.helpers import assert_resumes_exactly, generator
 
+pytestmark = pytest.mark.unit
+
 
 def _model():
     torch.manual_seed(0)
