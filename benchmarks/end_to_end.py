@@ -16,6 +16,9 @@ fresh copy of the model, one after the other):
   module rules of hf_shampoo's ``transformer`` preset). Step times from a callback
   (``on_step_begin`` to ``on_step_end``; fetching the batch is outside).
 
+``--muon`` adds Muon to the GPT-2 workload: ``optim="distributed_muon"`` (spectral descent on
+the hidden matrices, Adam elsewhere), whose goal is a mean step at most 1.05x AdamW's.
+
 ``--variants`` adds staggered Shampoo runs with GPU-oriented options to both workloads:
 ``qr`` (``eigendecomposition="qr"``, ``orthogonalization="cholesky_qr"``: refreshes by
 matrix products after the first ``eigh``) and ``bf16-roots``
@@ -270,6 +273,8 @@ def gpt2_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
             (f"Shampoo staggered, F={args.frequency}", "distributed_shampoo", optim_args)]
     runs += [(f"Shampoo staggered, F={args.frequency}, {variant}", "distributed_shampoo",
               f"{optim_args},{VARIANTS[variant][1]}") for variant in args.variants]
+    if args.muon:
+        runs.append(("Muon (distributed_muon)", "distributed_muon", None))
     for name, optim, extra in runs:
         resident = free_memory(device)
         torch.manual_seed(0)
@@ -397,6 +402,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[],
                         help="also staggered Shampoo with these GPU-oriented options")
+    parser.add_argument("--muon", action="store_true",
+                        help="GPT-2: also optim=distributed_muon (goal: <= 1.05x AdamW)")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models and steps")
     parser.add_argument("--json", default=None, help="write every step time here")
     parser.add_argument("--write", default=None, help="put the table into this markdown file")

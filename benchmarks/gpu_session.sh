@@ -13,6 +13,16 @@
 #   bash benchmarks/gpu_session.sh tp         # Accelerate's ParallelismConfig (TP x FSDP2) with
 #                                             # hf_shampoo, stage by stage, on every GPU (~1 min)
 #   bash benchmarks/gpu_session.sh all        # the four in order
+#   bash benchmarks/gpu_session.sh lent       # ONE call of at most 9 minutes, the most valuable
+#                                             # first (below): what a lent 15-minute GPU runs
+#
+# `lent`, in order of value, each part cut at its own limit (540 s in all): (a) check 45 s;
+# (b) the `device` tests on CUDA, 150 s, interrupted with SIGINT so pytest still prints its
+# summary line; (c) spectral descent against torch.optim.Muon on GPT-2 small's hidden
+# matrices, bf16 Newton-Schulz, one process, 40 s; (d) the steady step and one eigh refresh
+# against Meta on ResNet-50 and GPT-2 small shapes, with bf16 roots, 70 s each; (e) inverse
+# roots by eigh against the coupled iterations, 45 s; (f) GPT-2 small through the Trainer:
+# fused AdamW, Shampoo F=100 staggered and Muon, 100 warm-up + 100 timed steps each, 120 s.
 #
 # Planned as three device calls of at most 10 minutes (30 minutes of device time in all,
 # the machine's start included): `check; tests` (about 4 min), `step` (at most 9 min) and
@@ -51,8 +61,8 @@ part() {  # part NAME SECONDS COMMAND...: run with a time limit, append to $OUT/
     return 0
 }
 
-check() {
-    part check 120 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+check() {  # check [SECONDS]
+    part check "${1:-120}" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
         $PY -c 'import torch, transformers, accelerate, timm, hf_shampoo;
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
       torch.cuda.get_device_name() if torch.cuda.is_available() else \"no GPU\");
@@ -66,6 +76,33 @@ tests() {
     [ "$SMOKE" = 1 ] && modules="tests/test_host_sync.py tests/test_gpu.py tests/test_kronecker.py"
     HF_SHAMPOO_TEST_DEVICE=$DEVICE part tests 240 $PY -m pytest -q -p no:cacheprovider \
         -m device --junitxml="$OUT/tests.xml" $modules
+}
+
+lent() {
+    local scale=() e2e_size=(--frequency 100 --warmup 100) muon_size=(--layers 12 --width 768)
+    local models=(resnet50 gpt2)
+    if [ "$SMOKE" = 1 ]; then
+        scale=(--steady 2 --threads 1) e2e_size=(--tiny) muon_size=(--layers 1 --width 64)
+        models=(gpt2-tiny)
+    fi
+    check 45
+    local modules=tests
+    [ "$SMOKE" = 1 ] && modules="tests/test_host_sync.py tests/test_kronecker.py"
+    echo "== tests (SIGINT after 150 s: pytest prints its summary)" | tee -a "$OUT/tests.log"
+    HF_SHAMPOO_TEST_DEVICE=$DEVICE timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider \
+        -m device --junitxml="$OUT/tests.xml" $modules 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+    part muon 40 $PY -m benchmarks.muon_step_time --device "$DEVICE" --worlds 1 --rounds 5 \
+        "${muon_size[@]}"
+    local model
+    for model in "${models[@]}"; do
+        part "step_$model" 70 $PY -m benchmarks.step_time --device "$DEVICE" --model "$model" \
+            "${meta_args[@]}" --rounds 1 --steady 5 --low-precision-roots "${scale[@]}"
+    done
+    local roots=(--model resnet50 --rounds 1)
+    [ "$SMOKE" = 1 ] && roots=(--model gpt2-tiny --rounds 1 --threads 1)
+    part step_roots 45 $PY -m benchmarks.root_solvers --device "$DEVICE" "${roots[@]}"
+    part e2e_gpt2 120 $PY -m benchmarks.end_to_end --device "$DEVICE" --workload gpt2 --muon \
+        "${e2e_size[@]}" --json "$OUT/e2e_gpt2.json" --write "$OUT/e2e_gpt2.md"
 }
 
 step() {
@@ -121,6 +158,7 @@ case "${1:-all}" in
     e2e-resnet50) e2e resnet50 540 ;;
     e2e-gpt2) e2e gpt2 540 ;;
     tp) tp ;;
+    lent) lent ;;
     all) check; tests; step; e2e resnet50 300; e2e gpt2 240 ;;
-    *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|tp|all" >&2; exit 2 ;;
+    *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|tp|lent|all" >&2; exit 2 ;;
 esac

@@ -14,6 +14,10 @@ ours orthogonalizes the matrices a rank owns and all-gathers the directions.
     python -m benchmarks.muon_step_time --worlds 1 2 4
     python -m benchmarks.muon_step_time --worlds 2 4 --communication-dtype bfloat16
     python -m benchmarks.muon_step_time --worlds 1 2 --rounds 3 --layers 1 --width 64
+    python -m benchmarks.muon_step_time --device cuda --worlds 1 --layers 12 --width 768
+
+On a GPU (``--device cuda``, one process) each step is bracketed by
+``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import command_line, hardware, median
+from benchmarks.common import command_line, hardware, median, synchronize
 from benchmarks.tasks import make_gpt2
 from hf_shampoo import DistributedShampoo
 
@@ -46,7 +50,7 @@ def optimizers(weights: list[torch.Tensor], world: int, communication_dtype=torc
     ours = [torch.nn.Parameter(w.clone()) for w in weights]
     g = torch.Generator().manual_seed(1)
     for p, q in zip(theirs, ours):
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
         q.grad = p.grad.clone()
     muon = torch.optim.Muon(theirs, lr=LR, momentum=MU, nesterov=True, weight_decay=WD,
                             adjust_lr_fn="match_rms_adamw")
@@ -65,14 +69,17 @@ def barrier(world: int) -> None:
 
 def measure(world: int, args) -> dict:
     """Per-round step times of this rank, and the check that both moved alike."""
-    weights = hidden_matrices(args.layers, args.width)
+    device = torch.device(args.device)
+    weights = [w.to(device) for w in hidden_matrices(args.layers, args.width)]
     muon, shampoo, theirs, ours = optimizers(weights, world, DTYPES[args.communication_dtype])
     times = {"torch": [], "ours": []}
     for round_ in range(args.warmup + args.rounds):
         for name, opt in (("torch", muon), ("ours", shampoo)):
             barrier(world)
+            synchronize(device)
             start = time.perf_counter()
             opt.step()
+            synchronize(device)
             elapsed = time.perf_counter() - start
             if round_ >= args.warmup:
                 times[name].append(elapsed)
@@ -123,11 +130,15 @@ def main(argv=None) -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda for one process on a GPU (--worlds 1)")
     parser.add_argument("--communication-dtype", choices=list(DTYPES), default="float32",
                         help="dtype of our all-gathered directions (float32: bit-identical "
                              "to one process; bfloat16: half the traffic, each update "
                              "rounded to bfloat16 as torch.optim.Muon's is)")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and args.worlds != [1]:
+        parser.error(f"--device {args.device} runs one process: pass --worlds 1")
     torch.set_num_threads(1)
     print(f"`{command_line()}`; {hardware()}; "
           "one thread per rank\n")

@@ -53,3 +53,16 @@ def test_tp_part_records_how_far_accelerate_gets(tmp_path):
     log = (tmp_path / "tp.log").read_text()
     assert "ParallelismConfig(dp_shard_size=1, tp_size=2)" in log
     assert "got DistributedType.MULTI_CPU" in log and log.count("== tp") >= 2
+
+
+def test_the_lent_call_fits_nine_minutes():
+    """``lent`` is one device call: the limits of its parts add up to at most 540 s."""
+    import re
+
+    text = SCRIPT.read_text()
+    body = text[text.index("lent() {"):text.index("\n}\n", text.index("lent() {"))]
+    limits = [int(s) for s in re.findall(r"\bpart \S+ (\d+) ", body)]
+    limits += [int(s) for s in re.findall(r"timeout -s INT (\d+) ", body)]
+    limits += [int(s) for s in re.findall(r"^\s*check (\d+)$", body, re.M)]
+    assert len(limits) >= 6, limits  # check, tests, muon, step, roots, e2e
+    assert sum(limits) + 70 <= 540, limits  # + the second step model (one loop line)
