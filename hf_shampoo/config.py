@@ -86,15 +86,18 @@ WEIGHT_DECAY_TYPES = ("l2", "decoupled", "corrected", "independent")
 # SignDescentPreconditionerConfig). Neither keeps statistics or refreshes anything.
 PRECONDITIONERS = ("shampoo", "eigenvalue_corrected", "diagonal", "kl_shampoo",
                    "spectral_descent", "sign_descent", "eigendecomposed_shampoo",
-                   "eigendecomposed_kl_shampoo")
+                   "eigendecomposed_kl_shampoo", "riemannian_lora")
+# "riemannian_lora": peft's LoRA factor pairs, each gradient preconditioned by the other
+# factor's r x r Gram matrix (+ epsilon, relative), then the grafting method
+# (preconditioners/riemannian_lora.py, docs/lora.md); no statistics, nothing to refresh
 # Shampoo / KL-Shampoo whose refreshes keep each factor's eigendecomposition (Meta's
 # Eigendecomposed*PreconditionerConfig): Meta's eigh with the criterion, or its QR algorithm
 EIGENDECOMPOSED_KINDS = ("eigendecomposed_shampoo", "eigendecomposed_kl_shampoo")
 # kinds without statistics or amortized computation: precondition_frequency has no effect
 # and preconditioning starts at step 1 unless start_preconditioning_step says otherwise
-DESCENT_KINDS = ("spectral_descent", "sign_descent")
+DESCENT_KINDS = ("spectral_descent", "sign_descent", "riemannian_lora")
 # kinds that block every parameter as a matrix (dim 0, the rest) instead of merging dims
-MATRIX_KINDS = ("spectral_descent",)
+MATRIX_KINDS = ("spectral_descent", "riemannian_lora")
 SPECTRAL_ORTHOGONALIZATIONS = ("newton_schulz", "svd")
 NEWTON_SCHULZ_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # torch.optim.Muon's adjust_lr_fn rules on a block of (rows, cols); None: scale 1 (Meta)
@@ -295,6 +298,7 @@ _STATISTICS_ONLY = (
 )
 KIND_KEYWORDS: dict[str, tuple[str, ...]] = {
     **{key: STATISTICS_KINDS for key in _STATISTICS_ONLY},
+    "epsilon": STATISTICS_KINDS + ("riemannian_lora",),  # its Gram matrices' delta
     **{key: ("spectral_descent",) for key in (
         "spectral_orthogonalization", "newton_schulz_iterations", "newton_schulz_coefficients",
         "newton_schulz_dtype", "spectral_lr_adjustment")},

@@ -442,6 +442,10 @@ def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]
         return _diagonal(effective)
     if info.role in preset.spectral_roles:
         return _spectral(effective)
+    if effective["preconditioner"] == "riemannian_lora":
+        # peft's factor pairs by each other's Gram matrix (docs/lora.md), on top of Adam's
+        # second moment; a matrix without a partner gets Adam alone
+        return {} if effective.get("grafting") is not None else {"grafting": "adam"}
     if info.vocab_dims and (info.role == "embedding" or preset.vocab_rule):
         merged = merged_shape(info.param.shape, effective["max_preconditioner_dim"])
         if len(merged) != info.param.ndim:  # small table merged into one dim: no vocab factor
@@ -566,8 +570,13 @@ def make_optimizer(
 
 
 # ---------------------------------------------------------------------- describe
-def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...]) -> str:
+def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...],
+                          name: str = "") -> str:
     kind = group["preconditioner"]
+    if kind == "riemannian_lora":  # which factor of which pair, or alone
+        from ..preconditioners.riemannian_lora import pair_label
+
+        return f"{kind} ({pair_label(name, group)})"
     override = (group.get("inverse_exponent_override") or {}).get(len(shape))
     if kind != "diagonal" and isinstance(override, dict):
         off = [str(d) for d, e in sorted(override.items()) if e == 0]
@@ -618,7 +627,8 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
                 "block_shapes": [],
                 "ranks": set(),
                 "preconditioner": _preconditioner_label(
-                    {**group, "preconditioner": block["preconditioner"]}, block["shape"]),
+                    {**group, "preconditioner": block["preconditioner"]}, block["shape"],
+                    block["name"]),
                 "grafting": block["grafting"] or "-",
                 "weight_decay": group["weight_decay"],
             },
