@@ -437,15 +437,19 @@ def _refuse_unmatched(unused: list[str], infos: list[ParamInfo]) -> None:
 def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]) -> dict:
     """The preset's keywords for one parameter, given the keywords that will apply to it.
     A role the preset does not name falls back to its shape's (``info.shape_role``)."""
+    if effective["preconditioner"] == "riemannian_lora":
+        # peft's factor pairs by each other's Gram matrix (docs/lora.md), on top of Adam's
+        # second moment; a matrix without a partner gets Adam alone, a vector (DoRA's
+        # magnitude, a bias matched by the same pattern) the diagonal method
+        keywords = {} if effective.get("grafting") is not None else {"grafting": "adam"}
+        if info.shape_role == "vector":
+            keywords["vector_preconditioner"] = "diagonal"
+        return keywords
     vector = info.shape_role == "vector" and "vector" in preset.diagonal_roles
     if info.role in preset.diagonal_roles or vector:
         return _diagonal(effective)
     if info.role in preset.spectral_roles:
         return _spectral(effective)
-    if effective["preconditioner"] == "riemannian_lora":
-        # peft's factor pairs by each other's Gram matrix (docs/lora.md), on top of Adam's
-        # second moment; a matrix without a partner gets Adam alone
-        return {} if effective.get("grafting") is not None else {"grafting": "adam"}
     if info.vocab_dims and (info.role == "embedding" or preset.vocab_rule):
         merged = merged_shape(info.param.shape, effective["max_preconditioner_dim"])
         if len(merged) != info.param.ndim:  # small table merged into one dim: no vocab factor
