@@ -241,3 +241,40 @@ def test_ddp_bit_identical_and_pairs_split_over_owners():
     train(model, opt, 2, start=STEPS)
     assert_bitwise([p.detach() for p in adapters(resumed_model).values()],
                    [p.detach() for p in adapters(model).values()])
+
+
+# ------------------------------------------------------------------------- Trainer
+def test_trainer_optim_args_and_exact_resume(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import hf_shampoo  # noqa: F401  (registers optim="distributed_shampoo")
+
+    def model():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                         n_positions=16, bos_token_id=0, eos_token_id=0,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return peft.get_peft_model(
+            transformers.GPT2LMHeadModel(config),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                            fan_in_fan_out=True, lora_dropout=0.0))
+
+    rows = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in rows]
+
+    def trainer(out, m):
+        args = transformers.TrainingArguments(
+            output_dir=str(out), use_cpu=True, report_to=[], max_steps=4, save_steps=2,
+            per_device_train_batch_size=4, learning_rate=1e-2, disable_tqdm=True,
+            optim="distributed_shampoo",
+            optim_args="*lora_*@preconditioner=riemannian_lora,*lora_*@epsilon=1e-6")
+        return transformers.Trainer(model=m, args=args, train_dataset=data)
+
+    whole = trainer(tmp_path / "a", model())
+    whole.train()
+    shampoo = getattr(whole.optimizer, "optimizer", whole.optimizer)
+    kinds = {r["preconditioner"] for r in describe_rows(shampoo) if not r["frozen"]}
+    assert kinds and all(k.startswith("riemannian_lora (lora_") for k in kinds)
+    resumed = trainer(tmp_path / "b", model())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert_bitwise([p.detach() for p in adapters(resumed.model).values()],
+                   [p.detach() for p in adapters(whole.model).values()])
