@@ -47,9 +47,10 @@ NEW = {
     # the regularizer delta (relative to the Gram matrix's mean eigenvalue) larger
     "Riemannian LoRA (scaled AdamW, delta 1e-2)": Optimizer(
         "shampoo_modules", dict(RIEMANN, epsilon=1e-2), tasks=("lora", "vit"), default=False),
-    # the paper's scaled GD with momentum: no second moment at all
+    # the paper's scaled GD with momentum (betas[0]'s filter): no second moment at all
+    # (grafting "sgd" is the identity; None would get the rule's Adam)
     "Riemannian LoRA (scaled SGD, momentum 0.9)": Optimizer(
-        "shampoo_modules", dict(RIEMANN, grafting=None), lrs=(0.1, 0.3, 1.0),
+        "shampoo_modules", dict(RIEMANN, grafting="sgd"), lrs=(0.1, 0.3, 1.0),
         tasks=("lora", "vit"), default=False),
 }
 COMPARED = ("AdamW", "Shampoo (Adam grafting)", "Shampoo (Adam grafting, module rules)",

@@ -7,8 +7,8 @@ factor's ``r × r`` Gram matrix, the metric of the quotient manifold of rank-``r
 
     ∇A  ←  (BᵀB + δ I)⁻¹ ∇A          ∇B  ←  ∇B (AAᵀ + δ I)⁻¹
 
-and the grafting method (``grafting="adam"``: the paper's scaled AdamW; ``None``: its
-scaled GD with ``betas[0]``'s momentum) then runs on the preconditioned gradient, so the
+and the grafting method (``grafting="adam"``: the paper's scaled AdamW; ``"sgd"`` or ``None``:
+its scaled GD with ``betas[0]``'s momentum) then runs on the preconditioned gradient, so the
 state is exactly the grafting method's (AdamW's ``m`` and ``v``): nothing of order ``d²``,
 not even ``r²``, because the Gram matrices are recomputed from the weights every step.
 
