@@ -438,6 +438,9 @@ def _refuse_unmatched(unused: list[str], infos: list[ParamInfo]) -> None:
 def _role_keywords(info: ParamInfo, preset: Preset, effective: Mapping[str, Any]) -> dict:
     """The preset's keywords for one parameter, given the keywords that will apply to it.
     A role the preset does not name falls back to its shape's (``info.shape_role``)."""
+    own = KINDS[effective["preconditioner"]].rule_keywords(info.shape_role, effective)
+    if own is not None:  # a kind with rules of its own (riemannian_lora, docs/lora.md)
+        return own
     vector = info.shape_role == "vector" and "vector" in preset.diagonal_roles
     if info.role in preset.diagonal_roles or vector:
         return _diagonal(effective)
@@ -586,8 +589,12 @@ def make_optimizer(
 
 
 # ---------------------------------------------------------------------- describe
-def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...]) -> str:
+def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...],
+                          name: str = "") -> str:
     kind, label = KINDS[group["preconditioner"]], group["preconditioner"]
+    own = kind.describe_label(name, group)
+    if own is not None:  # a kind that says more (riemannian_lora: which factor of which pair)
+        return f"{label} ({own})"
     override = (group.get("inverse_exponent_override") or {}).get(len(shape))
     if kind.statistics and isinstance(override, dict):
         off = [str(d) for d, e in sorted(override.items()) if e == 0]
@@ -638,7 +645,8 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
                 "block_shapes": [],
                 "ranks": set(),
                 "preconditioner": _preconditioner_label(
-                    {**group, "preconditioner": block["preconditioner"]}, block["shape"]),
+                    {**group, "preconditioner": block["preconditioner"]}, block["shape"],
+                    block["name"]),
                 "grafting": block["grafting"] or "-",
                 "weight_decay": group["weight_decay"],
             },

@@ -19,6 +19,7 @@ from .quantized import (
     QuantizedEigenvalueCorrected,
     QuantizedShampoo,
 )
+from .riemannian_lora import RiemannianLoRA
 from .shampoo import Shampoo
 from .sign_descent import SignDescent
 from .spectral_descent import SpectralDescent
@@ -26,7 +27,7 @@ from .spectral_descent import SpectralDescent
 KINDS: dict[str, Preconditioner] = {
     kind.name: kind for kind in (Shampoo(), EigenvalueCorrected(), Diagonal(), KLShampoo(),
                                  SpectralDescent(), SignDescent(), EigendecomposedShampoo(),
-                                 EigendecomposedKLShampoo())
+                                 EigendecomposedKLShampoo(), RiemannianLoRA())
 }
 # quantization="4bit": the kinds that keep their factors in 4 bits (the others have none)
 QUANTIZED_KINDS: dict[str, Preconditioner] = {

@@ -94,6 +94,15 @@ class Preconditioner:
             return group["grafting"] is not None  # its warm-up is the grafting method alone
         return key not in self.ignores
 
+    def rule_keywords(self, shape_role: str, effective: dict) -> dict | None:
+        """The module rules' keywords for a parameter given this kind by an override
+        (``shape_role``: "vector", "matrix", ...), or None to let the preset decide."""
+        return None
+
+    def describe_label(self, name: str, group: dict) -> str | None:
+        """What ``describe()`` adds to this kind's name for the parameter ``name``, or None."""
+        return None
+
     @classmethod
     def start_step(cls, group: dict) -> int:
         """The first preconditioned step ``s``: ``start_preconditioning_step``, else

@@ -1,0 +1,81 @@
+"""Optimizer state of LoRA adapters (peft, r = 16 on every linear layer) of a 7B and a 70B
+Llama, under each rule, computed by ``describe_blocks()`` on a meta-device model (nothing
+is allocated): AdamW (8 bytes per trainable element), the presets' adapter rule
+(``make_optimizer``: the long side diagonal), full factors (``DistributedShampoo`` on
+``model.parameters()``, at the ablation's ``max_preconditioner_dim=128`` and at the
+default 1024) and the pair preconditioner (``preconditioner="riemannian_lora"``).
+
+    python -m benchmarks.lora_memory            # a table in markdown
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hf_shampoo import DistributedShampoo
+from hf_shampoo.integrations.modules import make_optimizer
+
+SHAMPOO = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
+               grafting_epsilon=1e-8, max_preconditioner_dim=128, precondition_frequency=10)
+MODELS = {  # Llama 2 7B and 70B shapes
+    "7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=32000),
+}
+
+
+def lora_model(shape: dict, r: int = 16) -> torch.nn.Module:
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+        return peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r,
+                                                          target_modules="all-linear"))
+
+
+def state_bytes(opt) -> int:
+    return sum(row["state_bytes"] for row in opt.describe_blocks())
+
+
+def rules(model) -> dict[str, int]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in trainable)
+    return {
+        "AdamW": 8 * n,
+        "presets' rule (make_optimizer: long side diagonal)": state_bytes(
+            make_optimizer(model, **SHAMPOO)),
+        "full factors, max_preconditioner_dim 128": state_bytes(
+            DistributedShampoo(trainable, **SHAMPOO)),
+        "full factors, max_preconditioner_dim 1024 (default)": state_bytes(
+            DistributedShampoo(trainable, **dict(SHAMPOO, max_preconditioner_dim=1024))),
+        "riemannian_lora (pairs)": state_bytes(make_optimizer(
+            model, overrides={"*lora_*": {"preconditioner": "riemannian_lora"}},
+            **SHAMPOO)),
+    }
+
+
+def main() -> None:
+    results = {}
+    for name, shape in MODELS.items():
+        model = lora_model(shape)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        results[name] = (trainable, rules(model))
+        print(f"{name}: {trainable / 1e6:.1f}M trainable", file=sys.stderr, flush=True)
+    names = list(next(iter(results.values()))[1])
+    print("| rule | " + " | ".join(f"{m} ({t / 1e6:.1f}M adapter parameters)"
+                                    for m, (t, _) in results.items()) + " |")
+    print("|---|" + "---|" * len(results))
+    for rule in names:
+        cells = []
+        for _, (trainable, sizes) in results.items():
+            b = sizes[rule]
+            cells.append(f"{b / 2**30:.2f} GiB ({b / (8 * trainable):.2f}× AdamW)")
+        print(f"| {rule} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
