@@ -4,7 +4,7 @@ AdamW, ``make_optimizer(model, lr=...)`` (AdamW's learning rate: Adam grafting, 
 betas) and ``make_optimizer(model, lr=..., defaults="meta")`` (the class's defaults, which
 are Meta's). About a minute of CPU.
 
-    python benchmarks/digits_defaults.py
+    python -m benchmarks.digits_defaults
 """
 
 from __future__ import annotations

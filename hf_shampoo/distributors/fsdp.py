@@ -36,7 +36,8 @@ from torch import Tensor
 from .base import (
     Distributor,
     block_cost,
-    nonfinite_flags,
+    confirmed_nonfinite,
+    maybe_nonfinite,
     params_with_gradients,
     stack_buffer,
     world_any,
@@ -483,18 +484,30 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
                          ) -> tuple[set[int], list[int]]:
     """Which parameters have a gradient on some rank, and (``check_finite``) which have a
     nan or an inf in some rank's gradient shard: one ``all_reduce`` of two flags per
-    parameter, one host synchronisation."""
+    parameter, one host synchronisation (and a second exact look, only where a shard's
+    norm was not finite)."""
     order = list(params)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     flags = torch.zeros((2, len(order)), dtype=torch.int32, device=device)
     present = [has(params[i]) for i in order]
     flags[0] = torch.tensor(present, dtype=torch.int32, device=device)
     with_grad = [k for k, here in enumerate(present) if here]
-    if check_finite and with_grad:
-        bad = nonfinite_flags([elements(params[order[k]]) for k in with_grad])
+    shards = [elements(params[order[k]]) for k in with_grad] if check_finite else []
+    if shards:
+        bad = maybe_nonfinite(shards)
         flags[1, torch.tensor(with_grad, device=device)] = bad.to(torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     has_grad, nonfinite = flags.tolist()
+    if any(nonfinite):
+        # rare (a nan, an inf, or a norm that overflowed): every rank got the same flags,
+        # so all look again, element by element, and agree in a second all_reduce
+        suspects = [nonfinite[k] for k in with_grad]
+        exact = torch.zeros(len(order), dtype=torch.int32, device=device)
+        if with_grad:
+            exact[torch.tensor(with_grad, device=device)] = torch.tensor(
+                confirmed_nonfinite(shards, suspects), dtype=torch.int32, device=device)
+        dist.all_reduce(exact, op=dist.ReduceOp.MAX)
+        nonfinite = exact.tolist()
     return ({i for i, f in zip(order, has_grad) if f},
             [i for i, f in zip(order, nonfinite) if f])
 
