@@ -136,7 +136,7 @@ def _worker(path: str, stage: int, dtype: str, steps: int, out: str) -> None:
             opt = seen["optimizer"]
             res = {"status": "trains", "losses": [round(x, 4) for x in losses],
                    "distributor": type(opt.distributor).__name__,
-                   "step": opt._groups[0].get("step")}
+                   "step": opt.state_dict()["param_groups"][0].get("step")}
             if rank == 0:
                 torch.save([p.detach().clone() for p in module.parameters()],
                            os.path.join(out, f"{name}.pt"))

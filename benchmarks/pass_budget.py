@@ -87,7 +87,7 @@ def _labelled(label: str, fn):
 def stages_labelled(opt: DistributedShampoo):
     """The step's stages wrapped in profiler ranges (``pipeline``'s functions, the
     distributor's methods), restored on exit; nothing else changes."""
-    distributor = type(opt._distributor)
+    distributor = type(opt.distributor)
     patches = [(pipeline, "gather_gradients", "gather"),
                (pipeline, "check_refreshed_factors", "refresh check"),
                (pipeline, "compute_directions", "directions"),
