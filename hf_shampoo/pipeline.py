@@ -214,8 +214,6 @@ def _plan(
                      offsets=offsets)
 
 
-
-
 # --- kinds' per-step hook (riemannian_lora under FSDP2: docs/lora.md) ---------------------
 def before_step(layout: Layout, groups: list[dict], distributor: Distributor) -> None:
     """Between stages 0 and 1, on every rank: each kind with ``steps_on_every_rank`` gets
