@@ -418,6 +418,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         active, nonfinite = distributor.active_members(
             layout.stacks, self.defaults["check_finite_gradients"])
         pipeline.refuse_nonfinite_gradients(nonfinite, layout, max(steps, default=0))
+        pipeline.before_step(layout, groups, distributor)  # kinds' per-step hook, every rank
         distributor.prepare_step(layout, active, self._needs_params)
         jobs = pipeline.gather_gradients(layout, groups, steps, active, distributor,
                                          self._stacked_params)

@@ -214,3 +214,16 @@ def _plan(
                      offsets=offsets)
 
 
+# --- kinds' per-step hook (riemannian_lora under FSDP2: docs/lora.md) ---------------------
+def before_step(layout: Layout, groups: list[dict], distributor: Distributor) -> None:
+    """Between stages 0 and 1, on every rank: each kind with ``steps_on_every_rank`` gets
+    its ``before_step`` with every stack of its kind (all ranks' stacks, in layout order,
+    the same on every rank), e.g. to gather weights that its owned blocks read. Nothing
+    for the other kinds."""
+    hooked: dict[str, tuple] = {}
+    for stack in layout.stacks:
+        kind = kind_of(stack.settings(groups))
+        if kind.steps_on_every_rank:
+            hooked.setdefault(kind.name, (kind, []))[1].append(stack)
+    for kind, stacks in hooked.values():
+        kind.before_step(stacks, groups, distributor)

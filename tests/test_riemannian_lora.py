@@ -1,7 +1,9 @@
 """preconditioner="riemannian_lora": peft's LoRA factor pairs, each gradient preconditioned
 by the partner's r × r Gram matrix, then Adam (docs/lora.md): the reference math, the
-module rules and describe(), exact resume, and DDP on 2 gloo ranks bit-identical to one
-process with the two halves of pairs on different owners."""
+module rules and describe(), exact resume, and DDP, FSDP2 and HSDP on 2 gloo ranks
+bit-identical to one process with the two halves of pairs on different owners (FSDP2: the
+partners' full weights gathered at the start of each step), resuming exactly from the
+consolidated state."""
 
 from __future__ import annotations
 
@@ -244,6 +246,121 @@ def test_ddp_bit_identical_and_pairs_split_over_owners():
     train(model, opt, 2, start=STEPS)
     assert_bitwise([p.detach() for p in adapters(resumed_model).values()],
                    [p.detach() for p in adapters(model).values()])
+
+
+# --------------------------------------------------------------------------- FSDP2
+def sharded_step(model, opt, shards: dict, step: int) -> None:
+    """One step of the sharded optimizer: the full-batch gradient of the plain model (the
+    same on every rank), placed as FSDP2's reduce-scatter leaves it on the shards; the
+    stepped shards then go back into the model for the next forward."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model.zero_grad()
+    loss_of(model, step).backward()
+    for name, p in adapters(model).items():
+        shard = shards[name]
+        shard.grad = distribute_tensor(p.grad, shard.device_mesh, shard.placements)
+    opt.step()
+    with torch.no_grad():
+        for name, p in adapters(model).items():
+            p.copy_(shards[name].full_tensor())
+
+
+def run_fsdp_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    join_gloo_world(rank, world, init_file)
+    results = {}
+    for mesh_name, mesh, placements in (
+            ("fsdp", init_device_mesh("cpu", (world,)), [Shard(0)]),
+            ("hsdp", init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")),
+             [Replicate(), Shard(0)])):
+        model = lora_net()
+        shards = {n: nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements))
+                  for n, p in adapters(model).items()}
+        opt = DistributedShampoo(list(shards.items()), preconditioner="riemannian_lora",
+                                 weight_decay=0.01, **KEYWORDS)
+        for step in range(STEPS):
+            sharded_step(model, opt, shards, step)
+        opt.consolidate_state_dict(to=0)
+        result = {"params": [p.full_tensor().detach().clone() for p in shards.values()],
+                  "owners": {r["name"]: r["rank"] for r in opt.describe_blocks()},
+                  "kind": type(opt._distributor).__name__}
+        if rank == 0:
+            result["state_dict"] = opt.state_dict()
+        results[mesh_name] = result
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def plain_optimizer(model):
+    return DistributedShampoo(list(adapters(model).items()), preconditioner="riemannian_lora",
+                              weight_decay=0.01, **KEYWORDS)
+
+
+def test_fsdp2_and_hsdp_bit_identical_and_resume_from_the_consolidated_state():
+    root = tempfile.mkdtemp(prefix="hf_shampoo_lora_fsdp_")
+    with one_thread_per_process():
+        mp.spawn(run_fsdp_world, args=(2, os.path.join(root, "init"), root), nprocs=2,
+                 join=True)
+    runs = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False)
+            for r in range(2)]
+    model = lora_net()
+    opt = plain_optimizer(model)
+    train(model, opt, STEPS)
+    expected = [p.detach().clone() for p in adapters(model).values()]
+    train(model, opt, 2, start=STEPS)
+    for mesh_name in ("fsdp", "hsdp"):
+        results = [run[mesh_name] for run in runs]
+        for result in results:
+            assert result["kind"] == "ShardedDistributor"
+            assert_bitwise(result["params"], expected)
+        owners = results[0]["owners"]
+        assert any(adapter_side(n) and adapter_side(n)[0] == "A"
+                   and owners[n] != owners[adapter_side(n)[1]] for n in owners), owners
+        # the consolidated state resumes in one process as the one-process run goes on
+        resumed_model = lora_net()
+        with torch.no_grad():
+            for p, q in zip(adapters(resumed_model).values(), results[0]["params"]):
+                p.copy_(q)
+        resumed = plain_optimizer(resumed_model)
+        resumed.load_state_dict(results[0]["state_dict"])
+        train(resumed_model, resumed, 2, start=STEPS)
+        assert_bitwise([p.detach() for p in adapters(resumed_model).values()],
+                       [p.detach() for p in adapters(model).values()])
+
+
+def test_local_fsdp_mode_is_refused_on_every_rank():
+    """fsdp_mode="local" blocks each rank's shard, which would cut r: refused (every rank
+    raises alike, in the per-step hook)."""
+    root = tempfile.mkdtemp(prefix="hf_shampoo_lora_local_")
+    with one_thread_per_process():
+        mp.spawn(run_local_world, args=(2, os.path.join(root, "init"), root), nprocs=2,
+                 join=True)
+    for r in range(2):
+        error = torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False)
+        assert "fsdp_mode='local'" in error, error
+
+
+def run_local_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    join_gloo_world(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (world,))
+    model = lora_net()
+    shards = {n: nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
+              for n, p in adapters(model).items()}
+    opt = DistributedShampoo(list(shards.items()), preconditioner="riemannian_lora",
+                             fsdp_mode="local", **KEYWORDS)
+    error = ""
+    try:
+        sharded_step(model, opt, shards, 0)
+    except NotImplementedError as e:
+        error = str(e)
+    torch.save(error, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
 
 
 # ------------------------------------------------------------------------- Trainer

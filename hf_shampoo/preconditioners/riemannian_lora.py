@@ -27,7 +27,12 @@ gets the grafting method alone, as ``preconditioner="diagonal"``.
 Distribution: the Gram matrix of a block's partner is computed from the partner's full
 weight, which data-parallel ranks (DDP) all hold, so the owner of ``A``'s blocks need not
 own ``B`` and nothing is communicated; the state is the grafting method's, keyed per block
-as for every kind. Under FSDP a parameter is a shard (DTensor): refused (docs/lora.md).
+as for every kind. Under FSDP2 / HSDP (lossless: DTensor parameters, full blocks gathered
+on their owner) a rank holds a shard of the partner: ``before_step``, which every rank runs
+at the start of every step, materialises the full weight of every partner of the kind's
+blocks (``DTensor.full_tensor()``, one all-gather per sharded partner, in layout order on
+every rank), before any weight changes, and keeps those its owned blocks read.
+``fsdp_mode="local"`` blocks each rank's shard, which cuts the pairs: refused.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ class RiemannianLoRA(Preconditioner):
     matrix_blocks = True  # blocks of the (rows, rest) matrix, so that r stays one dim
     refreshes = False
     needs_grafting = True  # the method prescribes Adam on top (docs/lora.md)
+    steps_on_every_rank = True  # before_step gathers the sharded partners' weights (FSDP2)
     # epsilon is its Gram matrices' delta; the refresh keywords change nothing
     ignores = frozenset({"precondition_frequency", "refresh_schedule",
                          "start_preconditioning_step"})
@@ -168,18 +174,54 @@ class RiemannianLoRA(Preconditioner):
         stack.__dict__["_adapter_pairs"] = _Pairs(key, entries)
         return entries
 
+    def before_step(self, stacks: list, groups: list[dict], distributor) -> None:
+        """Every rank, every step, before anything changes: with DTensor parameters
+        (FSDP2, HSDP), the full weight of every sharded partner of the kind's blocks, one
+        ``full_tensor()`` each in the layout's order (the same collectives on every rank);
+        the owned stacks keep the ones they read until the next step. Nothing without
+        DTensors (one process, DDP: every rank holds every weight)."""
+        if not any(_is_dtensor(m.param) for stack in stacks for m in stack.members):
+            return
+        for stack in stacks:
+            for member in stack.members:
+                if tuple(distributor.blocking_shape(member.param)) != tuple(member.param.shape):
+                    raise NotImplementedError(
+                        "DistributedShampoo: preconditioner='riemannian_lora' with "
+                        "fsdp_mode='local' blocks each rank's shard of "
+                        f"{member.name!r}, which cuts the adapter pairs' rank dim; use the "
+                        "default lossless mode (docs/lora.md)")
+        partners: dict[int, Tensor] = {}
+        needed: list[tuple] = []  # (owned stack, partner ids it reads)
+        for stack in stacks:
+            entries = self.pairs(stack, stack.settings(groups))
+            ids = []
+            for entry in entries:
+                if entry is not None and _is_dtensor(entry[1]):
+                    partners.setdefault(id(entry[1]), entry[1])
+                    ids.append(id(entry[1]))
+            if stack.rank == distributor.rank:
+                needed.append((stack, ids))
+        with torch.no_grad():
+            full = {key: p.detach().full_tensor() for key, p in partners.items()}
+        for stack, ids in needed:
+            stack.__dict__["_partner_weights"] = {key: full[key] for key in ids}
+
+    @staticmethod
+    def _full_weight(stack, partner: Tensor) -> Tensor:
+        """The partner's full weight: itself, or (a DTensor) what ``before_step`` gathered."""
+        if not _is_dtensor(partner):
+            return partner
+        found = stack.__dict__.get("_partner_weights", {}).get(id(partner))
+        if found is None:
+            raise RuntimeError(
+                "DistributedShampoo: preconditioner='riemannian_lora' reads a sharded "
+                "partner's full weight, gathered by before_step on every rank at the start "
+                "of the step; it was not gathered (a step not driven by "
+                "DistributedShampoo.step()?)")
+        return found
+
     @staticmethod
     def _check(member, side: str, partner: Tensor, block_shape: tuple[int, ...]) -> None:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # pragma: no cover
-            DTensor = ()
-        if isinstance(partner, DTensor) or isinstance(member.param, DTensor):
-            raise NotImplementedError(
-                "DistributedShampoo: preconditioner='riemannian_lora' needs each adapter "
-                "factor's full weight on the rank that owns its partner's blocks; under FSDP "
-                f"{member.name!r} is a shard. Use DDP (the adapters are small), or the "
-                "presets' adapter rule (docs/lora.md)")
         r = member.param.shape[0] if side == "A" else as_matrix(member.param).shape[1]
         if len(block_shape) != 2 or block_shape[0 if side == "A" else 1] != r:
             raise ValueError(
@@ -209,7 +251,8 @@ class RiemannianLoRA(Preconditioner):
             for row, partner in chosen:
                 key = id(partner)
                 if key not in grams:
-                    grams[key] = _normalized_gram(partner, side, delta)
+                    grams[key] = _normalized_gram(self._full_weight(stack, partner), side,
+                                                  delta)
                 index.append(row)
                 matrices.append(grams[key])
             m = torch.stack(matrices)  # (k, r, r), float64
@@ -222,6 +265,14 @@ class RiemannianLoRA(Preconditioner):
 
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch) -> Tensor:
         return stages.graft(job.state, job.group, job.step, filtered, scratch("graft"))
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _normalized_gram(partner: Tensor, side: str, delta: float) -> Tensor | None:
