@@ -212,6 +212,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
     if rank == 0:
         result["state_dict"] = opt.state_dict()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # leave together: a rank leaving early was seen to abort the other
     torch.distributed.destroy_process_group()
 
 
@@ -291,6 +292,7 @@ def run_fsdp_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
             result["state_dict"] = opt.state_dict()
         results[mesh_name] = result
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # leave together: a rank leaving early was seen to abort the other
     torch.distributed.destroy_process_group()
 
 
@@ -360,6 +362,7 @@ def run_local_world(rank: int, world: int, init_file: str, out_dir: str) -> None
     except NotImplementedError as e:
         error = str(e)
     torch.save(error, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # leave together: a rank leaving early was seen to abort the other
     torch.distributed.destroy_process_group()
 
 
