@@ -166,21 +166,25 @@ def roots(args) -> None:
         if step % BASE["precondition_frequency"] or step < args.start:
             return
         bias = 1 - BASE["betas"][1] ** step
-        for stack in opt._layout.owned:
-            for j, d in enumerate(stack.shape):
-                name = f"factor_matrix_{j}"
-                if d * d < quantization.MIN_QUANTIZED_ELEMENTS or name not in stack.state:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        rows = [row for row in opt.describe_blocks() if row["owned"]]
+        for j in range(max(len(row["shape"]) for row in rows)):
+            for row in rows:
+                shape = row["shape"]
+                param = params[row["param_index"]]
+                name = f"block_{row['block']}.factor_matrix_{j}"
+                if j >= len(shape) or shape[j] ** 2 < quantization.MIN_QUANTIZED_ELEMENTS \
+                        or name not in opt.state[param]:
                     continue
-                for member, block in enumerate(stack.members):
-                    grad = block.param.grad.reshape(block.merged)
-                    if block.slices is not None:
-                        grad = grad[block.slices]
-                    g = grad.movedim(j, 0).reshape(d, -1)
-                    factor = stack.state[name][member]
-                    for epsilon in args.epsilons:
-                        for rep, pair in root_errors(factor, bias, epsilon, g,
-                                                     args.bjorck).items():
-                            errors.setdefault((epsilon, rep), []).append(pair)
+                d = shape[j]
+                grad = param.grad.reshape(row["merged_shape"])[
+                    tuple(slice(o, o + n) for o, n in zip(row["offset"], shape))]
+                g = grad.movedim(j, 0).reshape(d, -1)
+                factor = opt.state[param][name]
+                for epsilon in args.epsilons:
+                    for rep, pair in root_errors(factor, bias, epsilon, g,
+                                                 args.bjorck).items():
+                        errors.setdefault((epsilon, rep), []).append(pair)
 
     train_loop(model, opt, batches(0, args.steps), loss_fn,
                warmup_cosine(args.steps, decay=False), after_step=compare)

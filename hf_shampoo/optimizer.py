@@ -619,6 +619,9 @@ class DistributedShampoo(torch.optim.Optimizer):
 
         - ``name``, ``param_index`` (torch's numbering over all groups), ``group`` (its
           param group's index), ``block`` (its index within the parameter), ``shape``;
+        - ``merged_shape`` (the parameter's shape as blocked, docs/design.md §1) and
+          ``offset`` (where the block starts in it): the block is
+          ``grad.reshape(merged_shape)[offset[d]:offset[d] + shape[d], ...]``;
         - ``rank``: the rank that owns it (holds its state, computes its direction), and
           ``owned``: whether that is this rank (``distributor.rank``);
         - ``stack``: the index of its stack, the same-shape blocks of one group that a step
@@ -646,7 +649,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             flops = kind_of(settings).step_flops(s.shape, settings)
             dims = tuple(s.preconditioned_dims(settings))
             rows += [{"name": b.name, "param_index": b.param_index, "group": s.group_index,
-                      "block": b.block_index, "shape": s.shape, "rank": s.rank,
+                      "block": b.block_index, "shape": s.shape, "merged_shape": b.merged,
+                      "offset": (tuple(x.start or 0 for x in b.slices) if b.slices is not None
+                                 else (0,) * len(b.merged)),
+                      "rank": s.rank,
                       "owned": s.rank == rank, "stack": index,
                       "refresh_offset": s.refresh_offsets[i] if s.refresh_offsets else 0,
                       "state_bytes": nbytes, "step_flops": flops,

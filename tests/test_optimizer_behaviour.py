@@ -1,6 +1,7 @@
 """Behaviour around the step: skipped gradients, non-finite factors, convergence, param groups."""
 
 import io
+import math
 import re
 
 import pytest
@@ -437,3 +438,25 @@ def test_state_saved_for_a_parameter_that_is_frozen_now_is_kept():
     loaded = opt2.state_dict()["state"]
     assert sorted(loaded) == [0, 1, 2, 3]
     assert all(torch.equal(loaded[0][k], saved["state"][0][k]) for k in saved["state"][0])
+
+
+def test_describe_blocks_places_every_block_in_its_parameter():
+    """``merged_shape`` and ``offset`` of ``describe_blocks()`` rows tile each parameter:
+    every element is in exactly one block, of the row's shape (what a reader needs to take
+    a block's gradient slice without private attributes)."""
+    params = [torch.nn.Parameter(torch.randn(10, 6)), torch.nn.Parameter(torch.randn(3, 4, 5)),
+              torch.nn.Parameter(torch.randn(7))]
+    opt = DistributedShampoo(params, max_preconditioner_dim=4)
+    rows = opt.describe_blocks()
+    for index, param in enumerate(params):
+        mine = [row for row in rows if row["param_index"] == index]
+        merged = mine[0]["merged_shape"]
+        assert all(row["merged_shape"] == merged for row in mine)
+        assert math.prod(merged) == param.numel()
+        covered = torch.zeros(merged, dtype=torch.int64)
+        for row in mine:
+            window = tuple(slice(o, o + n) for o, n in zip(row["offset"], row["shape"]))
+            assert covered[window].shape == tuple(row["shape"])
+            covered[window] += 1
+        assert bool((covered == 1).all()), index
+    assert len({row["param_index"] for row in rows if len(row["shape"]) > 0}) == 3
