@@ -140,8 +140,8 @@ class SimulatedOwner(SingleProcessDistributor):
         super().__init__()
         self.world_size, self.rank = world, rank
 
-    def assign(self, blocks, block_shapes):
-        return simulated_sharded(self.world_size).assign(blocks, block_shapes)
+    def assign(self, blocks, block_shapes, costs=None):
+        return simulated_sharded(self.world_size).assign(blocks, block_shapes, costs)
 
 
 def busiest(params, world: int, max_dim: int, scheme: str) -> int:
