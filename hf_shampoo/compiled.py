@@ -15,7 +15,7 @@ emits one only on GPUs): a last-bit difference in ``Ĝ``. But at a refresh ``Ĝ`
 the range of the factor matrices it was accumulated in, and while they are rank-deficient
 (fewer steps than dims) the root ``(F + εI)^(-1/r)`` multiplies the rounding noise
 outside that range by up to ``ε^(-1/r)``: with the default ε = 1e-12, 1e-7 relative noise
-in float32 became 2e-3 to 5e-2 of a block's direction, 1e-16 in float64 2e-10 (issue 35).
+in float32 became 2e-3 to 5e-2 of a block's direction, 1e-16 in float64 2e-10.
 
 How the kernels avoid recompiling:
 

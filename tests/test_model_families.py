@@ -1,4 +1,4 @@
-"""The module rules on tiny configs of the model families users train (issue 36): for every
+"""The module rules on tiny configs of the model families users train: for every
 family and every preset, the role each parameter is given (found from the model, not from
 sizes) and the kind it gets: under ``muon``, embeddings of any shape, every head, routers,
 norms and biases by Adam, hidden matrices by spectral descent, fused experts per expert.

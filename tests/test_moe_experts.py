@@ -1,4 +1,4 @@
-"""Fused mixture-of-experts weights (issue 29, item 2): ``experts=True`` blocks a parameter
+"""Fused mixture-of-experts weights: ``experts=True`` blocks a parameter
 ``(E, out, in)`` as ``E`` matrices, and the module rules set it for transformers' experts
 modules, so that no factor or orthogonalization couples two experts."""
 
