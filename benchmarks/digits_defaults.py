@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from benchmarks.tasks import digits_split
 from hf_shampoo import make_optimizer
 
 GRIDS = {
@@ -22,18 +23,6 @@ GRIDS = {
     "make_optimizer (defaults='adamw')": [1e-3, 3e-3, 1e-2, 3e-2],
     "make_optimizer (defaults='meta')": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
 }
-
-
-def digits(seed: int = 0):
-    """Flat 8×8 digits in [0, 1]: 80 % train, 20 % validation."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n = int(0.8 * len(y))
-    return x[perm[:n]], y[perm[:n]], x[perm[n:]], y[perm[n:]]
 
 
 def build(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -45,7 +34,7 @@ def build(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def run(name: str, lr: float, steps: int, batch: int, seed: int) -> float:
     """The best validation loss seen every 10 steps (inf once it is not finite)."""
-    xtr, ytr, xva, yva = digits(seed)
+    xtr, ytr, xva, yva = digits_split(seed)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
                           nn.Linear(128, 10))

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 STEPS, SAVE_EVERY = 8, 2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def env_int(name: str, default: int) -> int:
@@ -263,12 +262,9 @@ def launch(tool: str, layout: str, faults: str, out: Path, nproc: int = 2,
     environment (no rank variables, one thread per rank, this checkout first on the path,
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as docs/checkpoints.md advises); the finished
     process. Used by tests/test_faults.py and benchmarks/fault_table.py."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "GROUP_RANK") and not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-               **env_extra)
+    from tests.helpers import ROOT, launcher_env
+
+    env = launcher_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env_extra)
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          str(nproc), "--max-restarts", str(restarts), "--monitor-interval", "0.2",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 COMPLETE_MARK = "hf_shampoo_complete.json"
@@ -85,15 +86,6 @@ def check_marked(checkpoint: str | os.PathLike) -> None:
                 "it was cut short or changed after the save", file=path)
 
 
-def is_marked(checkpoint: str | os.PathLike) -> bool:
-    """Whether ``check_marked(checkpoint)`` passes."""
-    try:
-        check_marked(checkpoint)
-    except CheckpointError:
-        return False
-    return True
-
-
 def trainer_checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
     """Why the Trainer could not resume from ``checkpoint``, or None when it can: its
     ``trainer_state.json`` (written last) is missing, a ``COMPLETE_MARK`` in it does not
@@ -118,11 +110,22 @@ def check_dcp_folders(root: str | os.PathLike) -> None:
         read_checked_metadata(folder)
 
 
+def marked_problem(checkpoint: str | os.PathLike) -> str | None:
+    """Why ``check_marked(checkpoint)`` refuses it (its message), or None when it passes."""
+    try:
+        check_marked(checkpoint)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
 def newest_complete(parent: str | os.PathLike, pattern: str = r"checkpoint[-_](\d+)",
+                    problem: Callable[[Path], str | None] = marked_problem,
                     ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest directory under ``parent`` whose name matches ``pattern`` (its number
-    orders them) and that holds a valid ``COMPLETE_MARK``; and the newer ones passed over,
-    each with why. ``(None, skipped)`` when none is complete."""
+    orders them) and in which ``problem`` finds nothing (by default: a valid
+    ``COMPLETE_MARK``); and the newer ones passed over, each with why. ``(None, skipped)``
+    when none is complete."""
     root = Path(parent)
     if not root.is_dir():
         return None, []
@@ -133,12 +136,10 @@ def newest_complete(parent: str | os.PathLike, pattern: str = r"checkpoint[-_](\
             numbered.append((int(found.group(1)), path))
     skipped: list[tuple[Path, str]] = []
     for _, path in sorted(numbered, reverse=True):
-        try:
-            check_marked(path)
-        except CheckpointError as error:
-            skipped.append((path, str(error)))
-            continue
-        return path, skipped
+        why = problem(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
     return None, skipped
 
 

@@ -83,12 +83,11 @@ def save_state(
     those ``accelerator.prepare`` returned. Returns the directory written.
     """
     found = _accelerator_optimizers(accelerator) if optimizers is None else list(optimizers)
-    consolidate(found, to=None if _saves_on_each_node(accelerator) else 0)
+    each_node = _saves_on_each_node(accelerator)
+    consolidate(found, to=None if each_node else 0)
     written = accelerator.save_state(output_dir, **kwargs)
     accelerator.wait_for_everyone()
-    writes = (accelerator.is_local_main_process if _saves_on_each_node(accelerator)
-              else accelerator.is_main_process)
-    if writes:
+    if accelerator.is_local_main_process if each_node else accelerator.is_main_process:
         mark_complete(written)
     accelerator.wait_for_everyone()
     return written

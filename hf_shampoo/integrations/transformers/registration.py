@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ...checkpoint.integrity import trainer_checkpoint_problem
+from ...checkpoint.integrity import newest_complete, trainer_checkpoint_problem
 from .arguments import MUON_NAME, OPTIMIZER_NAME, OPTIMIZER_NAMES, optimizer_cls_and_kwargs
 from .trainer import classes, uses_shampoo
 
@@ -100,17 +100,12 @@ def _resumable(original: Callable[[str], str | None], pattern: Any) -> Callable:
         newest = original(folder)
         if newest is None or trainer_checkpoint_problem(newest) is None:
             return newest
-        numbered = sorted(
-            (int(pattern.search(name).groups()[0]), name) for name in os.listdir(folder)
-            if pattern.search(name) is not None and os.path.isdir(os.path.join(folder, name)))
-        for _, name in reversed(numbered):
-            path = os.path.join(folder, name)
-            problem = trainer_checkpoint_problem(path)
-            if problem is None:
-                return path
-            warnings.warn(f"hf_shampoo: not resuming from {path}: {problem}; the newest "
-                          "complete checkpoint before it is used instead", stacklevel=2)
-        return None
+        found, skipped = newest_complete(folder, pattern.pattern, trainer_checkpoint_problem)
+        for path, problem in skipped:
+            warnings.warn(f"hf_shampoo: not resuming from {os.path.join(folder, path.name)}: "
+                          f"{problem}; the newest complete checkpoint before it is used "
+                          "instead", stacklevel=2)
+        return None if found is None else os.path.join(folder, found.name)
 
     get_last_checkpoint._hf_shampoo = True
     get_last_checkpoint.__doc__ = original.__doc__
