@@ -156,7 +156,7 @@ class CompiledStages:
         alpha = stages.folded_decay_factor(group)
         mu = group["momentum"]
         buf = state["momentum"] if mu > 0 else None
-        param = param if alpha is not None else None
+        param = stages.stacked(param, direction.dtype) if alpha is not None else None
         if not _flat(direction, scale, param, buf, out):
             return stages.finish_direction(state, group, direction, scale, owned, param, lr,
                                            out, copy_into)

@@ -421,12 +421,12 @@ class DistributedShampoo(torch.optim.Optimizer):
         pipeline.before_step(layout, groups, distributor)  # kinds' per-step hook, every rank
         distributor.prepare_step(layout, active, self._needs_params)
         jobs = pipeline.gather_gradients(layout, groups, steps, active, distributor,
-                                         self._stacked_params)
+                                         self._param_rows)
         pipeline.check_refreshed_factors(jobs, layout, groups, steps, active, distributor)
         averaged = [averaging.step_coefficients(group) for group in groups]
         for stack, job in jobs:
             job.averaging = averaged[stack.group_index][0]
-        pipeline.compute_directions(jobs, self._workspace, self._stacked_params)
+        pipeline.compute_directions(jobs, self._workspace, self._param_rows)
         distributor.finish_step(layout, active)
         for group, t, (_, lr_sum) in zip(groups, steps, averaged):
             group["step"] = t
@@ -462,11 +462,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             self._consolidation.forget()
         averaging.mark_mode(self.param_groups, to_train)
 
-    def _stacked_params(self, stack: BlockStack, active: list[int]) -> Tensor:
-        """The members' parameter blocks, stacked into workspace memory (used at once)."""
-        shape = (len(active), *stack.shape)
-        out = self._workspace.get("param", shape, stack.work_dtype, stack.device)
-        return self._distributor.stacked_params(stack, active, out)
+    def _param_rows(self, stack: BlockStack, active: list[int]) -> list[Tensor]:
+        """The members' parameter blocks, one per row (views where the layout allows)."""
+        return self._distributor.param_rows(stack, active)
 
     def _needs_params(self, stack: BlockStack) -> bool:
         """Whether the stack's owner needs the parameter blocks (weight decay)."""

@@ -31,6 +31,7 @@ from .distributors import OTHER_RANK, Distributor, greedy_assignment
 from .linalg import finite_rows
 from .preconditioners import kind_of
 from .stack import BlockStack, ShampooNumericalError, StackStep, Workspace
+from .stages import add_rows
 
 
 @dataclass
@@ -68,11 +69,11 @@ def refuse_nonfinite_gradients(nonfinite: list[int], layout: Layout, step: int) 
 
 def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],
                      active_members: dict[int, list[int]], distributor: Distributor,
-                     stacked_params) -> list[tuple[BlockStack, StackStep]]:
+                     param_rows) -> list[tuple[BlockStack, StackStep]]:
     """Stage 1: the owned stacks' gradients and what every block does this step.
 
-    ``stacked_params(stack, members)`` returns the members' parameter blocks (for L2
-    weight decay, added to the gradient here, docs/design.md §2's first line)."""
+    ``param_rows(stack, members)`` returns the members' parameter blocks, one per row (for
+    L2 weight decay, added to the gradient here, docs/design.md §2's first line)."""
     jobs: list[tuple[BlockStack, StackStep]] = []
     for stack in layout.owned:
         active = active_members[id(stack)]
@@ -82,9 +83,10 @@ def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],
         stack.materialize(group)
         full = len(active) == len(stack.members)
         state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
-        grad = distributor.stacked_grads(stack, active)
-        if group["weight_decay"] > 0 and group["weight_decay_type"] == "l2":
-            grad.add_(stacked_params(stack, active), alpha=group["weight_decay"])
+        l2 = group["weight_decay"] > 0 and group["weight_decay_type"] == "l2"
+        grad = distributor.stacked_grads(stack, active, l2 or kind_of(group).writes_gradient)
+        if l2:
+            add_rows(grad, param_rows(stack, active), group["weight_decay"])
         jobs.append((stack, _plan(stack, group, steps[stack.group_index], active, state, grad)))
     return jobs
 
@@ -130,14 +132,14 @@ def check_refreshed_factors(jobs: list[tuple[BlockStack, StackStep]], layout: La
 
 
 def compute_directions(jobs: list[tuple[BlockStack, StackStep]], workspace: Workspace,
-                       stacked_params) -> None:
+                       param_rows) -> None:
     """Stage 3: every owned block's direction ``-lr * P`` into its stack's direction
     buffer; a stack with blocks lacking a gradient writes only the others' rows (and
     their state)."""
     for stack, job in jobs:
         group = job.group
         if group["weight_decay"] > 0 and group["weight_decay_type"] != "l2":
-            job.param = stacked_params(stack, job.members)
+            job.param = param_rows(stack, job.members)
         lr = float(group["lr"])
         if len(job.members) == len(stack.members):
             stack.direction(job, workspace, stack.directions, lr)

@@ -15,7 +15,8 @@ kind) and the shared ``stages``. State names (also the checkpoint keys, see
 - ``iterate_offset``: ``D = z - y`` (iterate averaging, ``averaging.py``)
 
 Intermediate results of a step live in a ``Workspace`` shared by all stacks, and the
-stacked gradients in a buffer per stack, so that a steady step allocates nothing.
+stacked gradients in a buffer per stack (which whole-parameter gradients become views of,
+``Distributor.stacked_grads``), so that a steady step allocates next to nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch
 from torch import Tensor
 
 from . import averaging, compiled, stages
+from . import stages as eager_stages
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
+from .stages import Scaled
 
 MAX_CONSECUTIVE_FAILURES = 3
 
@@ -113,7 +116,7 @@ class StackStep:
     members: list[int]
     state: dict[str, Tensor]  # the stack's state, or a copy of the rows of ``members``
     grad: Tensor  # stacked gradients with L2 decay added (docs/design.md §2 line 1), work dtype
-    param: Tensor | None  # stacked parameters when decoupled weight decay needs them
+    param: list[Tensor] | None  # per row its parameter block, when weight decay needs them
     refresh_rows: list[int] = field(default_factory=list)  # amortized computation now
     first_rows: list[int] = field(default_factory=list)  # of those: the first refresh
     grafting_rows: list[int] = field(default_factory=list)  # before their start step
@@ -217,13 +220,15 @@ class BlockStack:
         """docs/design.md §2 lines 2–8 for the rows of ``job``: writes ``-lr * P`` into ``out``.
 
         The kind (``preconditioners/``) does the statistics, the refresh and ``P``; the
-        shared ``stages`` the rest. ``job.grad`` and ``job.param`` may be modified.
+        shared ``stages`` the rest. ``job.grad`` may be modified; ``job.param`` (views of
+        the parameters where the layout allows) is only read.
         Intermediate results live in ``workspace`` (shared by all stacks), so that a
-        steady step allocates nothing.
+        steady step allocates next to nothing.
         """
         group, step, state, grad = job.group, job.step, job.state, job.grad
         kind = kind_of(group)
         stages = compiled.stages_for(group)  # the module, or its compiled lines 3-8 (compile)
+        finishes_scaled = stages is eager_stages  # the compiled kernels take a tensor
 
         scratch = stages.Scratch(workspace, grad)
 
@@ -239,21 +244,26 @@ class BlockStack:
         filtered = stages.filtered_gradient(state, group, step, grad, scratch("filtered"))
         # line 5: search direction, grafted
         scale = None
-        if not kind.grafted:
-            direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
-        elif group["grafting"] is not None and len(job.grafting_rows) == grad.shape[0]:
+        if kind.grafted and group["grafting"] is not None \
+                and len(job.grafting_rows) == grad.shape[0]:
             direction = stages.graft(state, group, step, filtered, scratch("graft"))
         else:
             direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
-            scale = stages.apply_grafting(state, group, step, direction, filtered,
-                                          job.grafting_rows, scratch("graft"))
+            # a kind's Scaled direction is formed by the eager finish, tile by tile
+            if isinstance(direction, Scaled) and (not finishes_scaled or (
+                    kind.grafted and group["grafting"] is not None)):
+                direction = direction.form(scratch("direction"))
+            if kind.grafted:
+                scale = stages.apply_grafting(state, group, step, direction, filtered,
+                                              job.grafting_rows, scratch("graft"))
         # lines 6–8: weight decay, momentum, -lr
         stages.finish_direction(state, group, direction, scale, direction is not filtered,
                                 job.param, lr, out, scratch("direction"))
         # line 9: iterate averaging turns z's step into the parameters' (y's) step
         if job.averaging is not None:
             decay = averaging.decay_factor(job.averaging[2], stages.decoupled_decay_factor(group))
-            averaging.apply(state, job.averaging, decay, job.param, out, scratch("averaged"))
+            param = stages.stacked(job.param, out.dtype)
+            averaging.apply(state, job.averaging, decay, param, out, scratch("averaged"))
 
     def count_failures(self, name: str, ok: Tensor, members: list[int], step: int,
                        what: str = "eigendecomposition") -> None:

@@ -56,7 +56,7 @@ class Distributor:
 
     The step calls, in this order: ``active_members`` (which blocks have a gradient, and
     which gradients are not finite), ``prepare_step`` (bring owned blocks' inputs to
-    their owner), ``stacked_grads`` / ``stacked_params`` (an owned stack's inputs), then
+    their owner), ``stacked_grads`` / ``param_rows`` (an owned stack's inputs), then
     ``finish_step`` (share the owners' directions of the active blocks and add every
     block's to its parameter; ``train()`` / ``eval()`` call it too, every rank, for the
     blocks that move). At layout time it calls ``blocking_shape``, ``assign`` (an owner
@@ -76,6 +76,8 @@ class Distributor:
     is_sharded_state: bool = False
     #: prefix of this rank's state keys (``fsdp_mode="local"``: which shard its blocks cut)
     state_key_prefix: str = ""
+    #: whether ``stacked_grads`` may make gradients views of a stack's buffer
+    views_gradients: bool = True
 
     def global_rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and world size (0 and 1 in one process)."""
@@ -131,15 +133,39 @@ class Distributor:
         the parameters, for the stacks where ``needs_params(stack)``). Every rank holds
         its blocks' inputs already unless a subclass says otherwise: nothing to do."""
 
-    def stacked_grads(self, stack, active: list[int]) -> Tensor:
-        """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype."""
-        full = len(active) == len(stack.members)
-        return _stacked(stack, active, lambda p: self.local(p.grad),
-                        stack_buffer(stack, "gathered_grad") if full else None)
+    def stacked_grads(self, stack, active: list[int], writes: bool = False) -> Tensor:
+        """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype.
 
-    def stacked_params(self, stack, active: list[int], out: Tensor) -> Tensor:
-        """The parameter blocks of ``active`` members, into ``out``."""
-        return _stacked(stack, active, self.local, out)
+        ``writes``: whether the step writes into the result (L2 weight decay, a kind that
+        rewrites gradients). Otherwise, where a stack's blocks are whole parameters with
+        plain contiguous gradients of the work dtype, the gradients become views of the
+        stack's buffer once it is filled, as DDP's ``gradient_as_bucket_view`` makes them
+        views of its buckets: a gradient accumulated in place (``zero_grad(set_to_none=
+        False)``) is then stacked without a copy, and the one autograd allocated is freed.
+        The values the user sees never change."""
+        grad_of = lambda p: self.local(p.grad)  # noqa: E731
+        if len(active) != len(stack.members):
+            return _stacked(stack, active, grad_of)
+        buffer = stack_buffer(stack, "gathered_grad")
+        in_place = _viewing_rows(stack, buffer)
+        if all(in_place) and not writes:
+            return buffer  # accumulated into the views: nothing to copy
+        if any(in_place) and writes:  # the user's gradients must not change: a copy
+            return torch.stack([p.grad.reshape(stack.shape) for p in _params(stack)])
+        if not any(in_place):
+            _stacked(stack, active, grad_of, buffer)
+        else:  # some gradients were replaced since: copy only those
+            for row, piece, ok in zip(buffer, _pieces(stack, active, grad_of), in_place):
+                if not ok:
+                    row.copy_(piece)
+        if not writes and self.views_gradients:
+            _view_gradients(stack, buffer, self.local, in_place)
+        return buffer
+
+    def param_rows(self, stack, active: list[int]) -> list[Tensor]:
+        """The parameter blocks of ``active`` members, one tensor of the stack's block shape
+        each: views of the parameters where their layout allows (no copy)."""
+        return _pieces(stack, active, self.local)
 
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
         """Share the owners' ``directions`` of the ``active`` members (``id(stack)`` →
@@ -232,9 +258,41 @@ def stack_buffer(stack, name: str) -> Tensor:
     return buffer
 
 
-def _stacked(stack, active: list[int], tensor_of, out: Tensor | None = None) -> Tensor:
-    """Copy the given members' blocks of ``tensor_of(param)`` into one ``(m, *shape)``
-    tensor of the stack's working dtype (``out`` when given)."""
+def _params(stack) -> list[Tensor]:
+    return [block.param for block in stack.members]
+
+
+def _viewing_rows(stack, buffer: Tensor) -> list[bool]:
+    """Per member: whether its parameter's gradient is (still) the view of its buffer row."""
+    rows = []
+    for row, block in zip(buffer, stack.members):
+        grad = block.param.grad
+        rows.append(grad is not None and grad._base is buffer
+                    and grad.data_ptr() == row.data_ptr() and grad.numel() == row.numel())
+    return rows
+
+
+def _view_gradients(stack, buffer: Tensor, local, in_place: list[bool]) -> None:
+    """Make every member's gradient the view of its row of ``buffer`` (filled with the same
+    values), where the blocks are whole parameters with plain contiguous gradients of the
+    buffer's dtype that are no one else's views (DDP's bucket views stay DDP's);
+    ``in_place``: the members whose gradient is that view already."""
+    for block, viewing in zip(stack.members, in_place):
+        param, grad = block.param, block.param.grad
+        if viewing:
+            continue
+        if (block.slices is not None or grad is None or local(grad) is not grad
+                or grad.dtype != buffer.dtype or grad.device != buffer.device
+                or grad._base is not None or grad.requires_grad
+                or not param.is_contiguous() or not grad.is_contiguous()):
+            return
+    with torch.no_grad():
+        for row, block in zip(buffer, stack.members):
+            block.param.grad = row.view(block.param.shape)
+
+
+def _pieces(stack, active: list[int], tensor_of) -> list[Tensor]:
+    """The given members' blocks of ``tensor_of(param)``, views where the layout allows."""
     pieces = []
     for i in active:
         block = stack.members[i]
@@ -242,6 +300,13 @@ def _stacked(stack, active: list[int], tensor_of, out: Tensor | None = None) -> 
         if block.slices is not None:
             piece = piece[block.slices]
         pieces.append(piece)
+    return pieces
+
+
+def _stacked(stack, active: list[int], tensor_of, out: Tensor | None = None) -> Tensor:
+    """Copy the given members' blocks of ``tensor_of(param)`` into one ``(m, *shape)``
+    tensor of the stack's working dtype (``out`` when given)."""
+    pieces = _pieces(stack, active, tensor_of)
     if out is None:
         return torch.stack(pieces).to(stack.work_dtype)
     if all(piece.dtype == out.dtype for piece in pieces):

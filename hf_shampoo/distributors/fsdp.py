@@ -402,15 +402,13 @@ class ShardedDistributor(Distributor):
     def any_rank(self, flag: bool) -> bool:
         return world_any(flag, self._device)
 
-    def stacked_grads(self, stack, active: list[int]) -> Tensor:
+    def stacked_grads(self, stack, active: list[int], writes: bool = False) -> Tensor:
         buffer = stack.gathered_grad
         return buffer if len(active) == len(stack.members) else buffer[active]
 
-    def stacked_params(self, stack, active: list[int], out: Tensor) -> Tensor:
+    def param_rows(self, stack, active: list[int]) -> list[Tensor]:
         buffer = stack.gathered_param
-        if len(active) == len(stack.members):
-            return out.copy_(buffer)
-        return torch.index_select(buffer, 0, torch.tensor(active, device=buffer.device), out=out)
+        return [buffer[i] for i in active]
 
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
         """Direction parts of the ``active`` members → every rank holding them; add them

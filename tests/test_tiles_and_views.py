@@ -1,0 +1,198 @@
+"""The passes around the math: the CPU's elementwise stages run tile by tile, the parameters
+are read through views, and gradients become views of their stack's buffer (as DDP's
+buckets). None of it may change a number: every stage in tiles equals the same stage over
+whole tensors bit for bit, a step with gradients kept between steps (``zero_grad(set_to_none=
+False)``) equals one with fresh gradients, and the user's gradients never change."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from hf_shampoo import DistributedShampoo, stages
+from tests.helpers import assert_bitwise, join_gloo_world
+
+SHAPES = [(3, 513, 259), (5, 7, 11), (2, 1100, 90), (1, 70_001)]  # tiles cut mid-row
+MUON = dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.95**2,
+            use_bias_correction=False, weight_decay=0.1,
+            spectral_lr_adjustment="match_rms_adamw", newton_schulz_dtype=torch.bfloat16,
+            max_preconditioner_dim=2**31 - 1, lr=0.02)
+SHAMPOO = dict(grafting="adam", weight_decay=0.01, momentum=0.9, nesterov=True, lr=0.01,
+               precondition_frequency=2, start_preconditioning_step=2,
+               max_preconditioner_dim=256)
+
+
+@pytest.fixture
+def whole(monkeypatch):
+    """Run the stages without tiles (one tile larger than any tensor)."""
+    def untiled():
+        monkeypatch.setattr(stages, "TILE", 1 << 40)
+    return untiled
+
+
+def _group(**changes):
+    group = dict(betas=(0.9, 0.999), beta3=None, use_bias_correction=True, grafting="adam",
+                 grafting_beta2=0.999, grafting_epsilon=1e-8, weight_decay=0.05,
+                 weight_decay_type="decoupled", peak_lr=None, momentum=0.9, dampening=0.1,
+                 nesterov=True, iterate_averaging=None, lr=0.01)
+    group.update(changes)
+    return group
+
+
+def _run_stages(shape, group, seed=0):
+    """Every elementwise stage once, on fresh state; everything they wrote."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda: torch.randn(shape, generator=gen)  # noqa: E731
+    state = {"grafting_state": rand().abs(), "filtered_grad": rand(), "momentum": rand()}
+    grad, out, graft_out, finish_out, copy_into = rand(), rand(), rand(), rand(), rand()
+    params = [rand()[0] for _ in range(shape[0])]
+    stages.update_grafting_state(state, group, grad)
+    filtered = stages.filtered_gradient(state, group, 3, grad, out).clone()
+    grafted = stages.graft(state, group, 3, filtered, graft_out).clone()
+    direction = rand()
+    scale = torch.rand((shape[0],) + (1,) * (len(shape) - 1), generator=gen)
+    stages.finish_direction(state, group, direction, scale, True, params, 0.01, finish_out,
+                            copy_into)
+    narrow = rand().to(torch.bfloat16)
+    scaled_out = torch.empty(shape)
+    stages.finish_direction(state, group, stages.Scaled(narrow, 1.7), None, True, params,
+                            0.01, scaled_out, torch.empty(shape))
+    return [filtered, grafted, finish_out, scaled_out, *state.values()]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("changes", [{}, {"beta3": 0.81}, {"use_bias_correction": False},
+                                     {"grafting": "adagrad", "momentum": 0.0},
+                                     {"nesterov": False, "weight_decay": 0.0}])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stages_in_tiles_equal_whole_tensors(whole, shape, changes, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tiled = _run_stages(shape, _group(**changes))
+        whole()
+        assert_bitwise(tiled, _run_stages(shape, _group(**changes)))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.unit
+def test_tiles_cut_every_element_once():
+    big = torch.zeros(3, 513, 259)
+    for index in stages.row_tiles(big):
+        big[index] += 1
+    assert bool((big == 1).all())
+    flat = torch.zeros(200_001)
+    for (piece,) in stages.tiles(flat):
+        piece += 1
+    assert bool((flat == 1).all())
+    assert len(list(stages.tiles(torch.zeros(10)))) == 1  # small: one piece
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(96, 160, bias=False), nn.GELU(),
+                         nn.Linear(160, 160, bias=False), nn.GELU(),
+                         nn.Linear(160, 160, bias=False), nn.GELU(),
+                         nn.Linear(160, 10, bias=False))
+
+
+def _train(config, set_to_none, steps=6, unused_at=3):
+    """Trains on fixed batches; at step ``unused_at`` the third layer gets no gradient (its
+    stack's other block does)."""
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **config)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(32, 96, generator=gen)
+        opt.zero_grad(set_to_none=set_to_none)
+        if step == unused_at:
+            model[4].weight.grad = None
+            model[6](model[5](model[:4](x))).square().mean().backward()
+        else:
+            model(x).square().mean().backward()
+        before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        opt.step()
+        after = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        assert all((a is None and b is None) or torch.equal(a, b)
+                   for a, b in zip(before, after)), "the step changed a gradient"
+    return model, opt
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config", [MUON, SHAMPOO, dict(SHAMPOO, weight_decay_type="l2")],
+                         ids=["muon", "shampoo", "shampoo_l2"])
+def test_kept_gradients_train_as_fresh_ones(config):
+    """``zero_grad(set_to_none=False)``: autograd accumulates into the views, the step
+    stacks nothing, and every number equals a run whose gradients are fresh each step."""
+    kept, opt = _train(config, set_to_none=False)
+    fresh, _ = _train(config, set_to_none=True)
+    assert_bitwise(list(kept.parameters()), list(fresh.parameters()))
+    views = [p.grad._base is not None for p in kept.parameters()]
+    # L2 decay writes into the stacked gradients: they stay the user's own tensors
+    assert all(views) if config.get("weight_decay_type") != "l2" else not any(views)
+
+
+@pytest.mark.unit
+def test_views_are_made_only_where_the_layout_allows():
+    conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    big = nn.Parameter(torch.randn(300, 40))  # cut into blocks of 128 rows
+    half = nn.Parameter(torch.randn(40, 30, dtype=torch.bfloat16))
+    plain = nn.Parameter(torch.randn(37, 30))
+    shared = torch.zeros(41 * 30 + 5)  # someone else's buffer (a DDP bucket)
+    params = [conv.weight, big, half, plain]
+    opt = DistributedShampoo(params + [shared_param := nn.Parameter(torch.randn(41, 30))],
+                             grafting="adam", max_preconditioner_dim=128, lr=0.01)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    shared_param.grad = shared[5:].view(41, 30)
+    shared_param.grad.normal_()
+    values = [p.grad.clone() for p in params + [shared_param]]
+    opt.step()
+    assert conv.weight.grad._base is None  # channels_last
+    assert big.grad._base is None  # several blocks
+    assert half.grad._base is None  # bfloat16 gradient, float32 stack
+    assert shared_param.grad._base is shared  # stays the bucket's view
+    assert_bitwise([p.grad for p in params + [shared_param]], values)
+    # a gradient replaced after a view was made is read (and viewed) again
+    assert plain.grad._base is not None
+    plain.grad = torch.full_like(plain, 2.0)
+    opt.step()
+    assert plain.grad._base is not None and bool((plain.grad == 2.0).all())
+
+
+def _ddp_worker(rank, world, init_file, out_dir):
+    join_gloo_world(rank, world, init_file)
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), distributed="ddp", **MUON)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(32, 96, generator=gen)  # the same batch on every rank
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+    torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ddp_with_kept_gradients_equals_one_process():
+    torch.set_num_threads(1)
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), **MUON)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(32, 96, generator=gen)
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_ddp_worker, args=(2, os.path.join(out_dir, "init"), out_dir), nprocs=2)
+        for rank in range(2):
+            assert_bitwise(torch.load(os.path.join(out_dir, f"{rank}.pt")),
+                           [p.detach() for p in model.parameters()])
