@@ -31,10 +31,8 @@ import torch
 from torch import Tensor
 
 from . import averaging, compiled, stages
-from . import stages as eager_stages
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
-from .stages import Scaled
 
 MAX_CONSECUTIVE_FAILURES = 3
 
@@ -228,7 +226,6 @@ class BlockStack:
         group, step, state, grad = job.group, job.step, job.state, job.grad
         kind = kind_of(group)
         stages = compiled.stages_for(group)  # the module, or its compiled lines 3-8 (compile)
-        finishes_scaled = stages is eager_stages  # the compiled kernels take a tensor
 
         scratch = stages.Scratch(workspace, grad)
 
@@ -244,18 +241,14 @@ class BlockStack:
         filtered = stages.filtered_gradient(state, group, step, grad, scratch("filtered"))
         # line 5: search direction, grafted
         scale = None
-        if kind.grafted and group["grafting"] is not None \
-                and len(job.grafting_rows) == grad.shape[0]:
+        if not kind.grafted:
+            direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
+        elif group["grafting"] is not None and len(job.grafting_rows) == grad.shape[0]:
             direction = stages.graft(state, group, step, filtered, scratch("graft"))
         else:
             direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
-            # a kind's Scaled direction is formed by the eager finish, tile by tile
-            if isinstance(direction, Scaled) and (not finishes_scaled or (
-                    kind.grafted and group["grafting"] is not None)):
-                direction = direction.form(scratch("direction"))
-            if kind.grafted:
-                scale = stages.apply_grafting(state, group, step, direction, filtered,
-                                              job.grafting_rows, scratch("graft"))
+            scale = stages.apply_grafting(state, group, step, direction, filtered,
+                                          job.grafting_rows, scratch("graft"))
         # lines 6–8: weight decay, momentum, -lr
         stages.finish_direction(state, group, direction, scale, direction is not filtered,
                                 job.param, lr, out, scratch("direction"))

@@ -10,78 +10,48 @@ momentum (line 7) and the ``-lr`` scaling (line 8); iterate averaging (line 9) i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 GRAFTING_NORM_EPSILON = 1e-16
 
-#: elements in a tile of the CPU's elementwise stages (256 KiB of float32): a stage's
-#: several operators run tile by tile, so that all but the first read of a tile come from
-#: the core's cache instead of memory (measured: the filtered gradient's four operators
-#: over GPT-2's hidden matrices 0.68x the time of four whole passes, one thread)
-TILE = 1 << 16
+#: blocks smaller than this (elements) are stacked in groups for the decay's addition; larger
+#: ones are added one by one straight from the parameters' views (``add_rows``)
+ROW_GROUP = 1 << 14
 
 
-def tiles(*tensors: Tensor):
-    """Pieces of ``tensors`` (operands of the same shape, elementwise), one tuple of views
-    per tile: flat ranges of ``TILE`` elements where all are contiguous CPU tensors larger
-    than a tile, else the tensors themselves (on a GPU each operator is one kernel anyway).
-    An elementwise operator gives every element the same result in pieces as whole."""
-    first = tensors[0]
-    if (first.device.type != "cpu" or first.numel() <= TILE
-            or not all(t.shape == first.shape and t.is_contiguous() for t in tensors)):
-        yield tensors
+def row_groups(rows: Sequence[Tensor]):
+    """``(start, stop)`` ranges of ``rows`` (one tensor per block of a stack): a large block
+    alone, small ones together up to ``ROW_GROUP`` elements."""
+    start = 0
+    while start < len(rows):
+        stop, size = start + 1, rows[start].numel()
+        while stop < len(rows) and size + rows[stop].numel() <= ROW_GROUP:
+            size += rows[stop].numel()
+            stop += 1
+        yield start, stop
+        start = stop
+
+
+def add_rows(target: Tensor, rows: Tensor | Sequence[Tensor], alpha: float) -> None:
+    """``target += alpha · stack(rows)`` (weight decay): ``rows`` a stack, or one tensor per
+    row of ``target`` (views of the parameters, ``Distributor.param_rows``), added straight
+    from them: the same result for every element, without a copy of the parameters."""
+    if isinstance(rows, Tensor):
+        target.add_(rows, alpha=alpha)
         return
-    flat = [t.view(-1) for t in tensors]
-    for start in range(0, first.numel(), TILE):
-        yield tuple(f[start : start + TILE] for f in flat)
+    for start, stop in row_groups(rows):
+        piece = rows[start].unsqueeze(0) if stop - start == 1 else torch.stack(rows[start:stop])
+        target[start:stop].add_(piece, alpha=alpha)
 
 
-def row_tiles(like: Tensor):
-    """Index tuples into a stack shaped like ``like`` (blocks along dim 0) that cut it into
-    tiles of about ``TILE`` elements on the CPU: several whole blocks, or one block's range
-    of rows (dim 1) when a block is larger; the whole stack at once on a GPU. For stages
-    with per-block operands (a grafting scale, the parameters)."""
-    blocks = like.shape[0]
-    if like.device.type != "cpu" or like.numel() <= TILE or like.dim() < 2:
-        yield (slice(0, blocks),)
-        return
-    per_block = like[0].numel()
-    if per_block <= TILE:
-        step = TILE // per_block
-        for start in range(0, blocks, step):
-            yield (slice(start, min(blocks, start + step)),)
-        return
-    step = max(1, TILE // max(1, per_block // like.shape[1]))
-    for block in range(blocks):
-        for start in range(0, like.shape[1], step):
-            yield slice(block, block + 1), slice(start, min(like.shape[1], start + step))
-
-
-def param_rows(param: Tensor | list[Tensor] | None, index: tuple) -> Tensor | None:
-    """The tile ``index`` (``row_tiles``) of the stacked parameters ``param``: a stack, or a
-    list of one tensor per block (views of the parameters, ``Distributor.param_rows``)."""
-    if param is None or isinstance(param, Tensor):
-        return param if param is None else param[index]
-    blocks, rest = index[0], index[1:]
-    if blocks.stop - blocks.start == 1:
-        return param[blocks.start][rest].unsqueeze(0)
-    return torch.stack(param[blocks])[(slice(None), *rest)]
-
-
-def stacked(param: Tensor | list[Tensor] | None, dtype: torch.dtype) -> Tensor | None:
-    """``param`` (see ``param_rows``) as one stacked tensor of ``dtype``."""
-    if isinstance(param, list):
-        param = torch.stack(param)
-    return param if param is None else param.to(dtype)
-
-
-def add_rows(target: Tensor, rows: list[Tensor], alpha: float) -> None:
-    """``target += alpha · stack(rows)`` tile by tile (L2 weight decay into the gradients)."""
-    for index in row_tiles(target):
-        target[index].add_(param_rows(rows, index), alpha=alpha)
+def stacked(rows: Tensor | Sequence[Tensor] | None, dtype: torch.dtype) -> Tensor | None:
+    """``rows`` (see ``add_rows``) as one stacked tensor of ``dtype``."""
+    if rows is None:
+        return None
+    return (rows if isinstance(rows, Tensor) else torch.stack(list(rows))).to(dtype)
 
 
 class Scratch:
@@ -122,13 +92,10 @@ def second_moment_bias(group: dict, step: int) -> float:
 def update_grafting_state(state: dict, group: dict, grad: Tensor) -> None:
     """Line 3: the grafting method's second moment ``V`` from the (post-L2) gradient."""
     grafting, beta2 = group["grafting"], group["grafting_beta2"]
-    if grafting not in ("adagrad", "rmsprop", "adam"):
-        return
-    for v, g in tiles(state["grafting_state"], grad):
-        if grafting == "adagrad":
-            v.addcmul_(g, g)
-        else:
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    if grafting == "adagrad":
+        state["grafting_state"].addcmul_(grad, grad)
+    elif grafting in ("rmsprop", "adam"):
+        state["grafting_state"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
 
 
 def filtered_gradient(state: dict, group: dict, step: int, grad: Tensor, out: Tensor) -> Tensor:
@@ -140,17 +107,13 @@ def filtered_gradient(state: dict, group: dict, step: int, grad: Tensor, out: Te
     m = state["filtered_grad"]
     bias = group["use_bias_correction"]
     if beta3 == beta1:
-        for m_t, g_t, out_t in tiles(m, grad, out):
-            m_t.mul_(beta1).add_(g_t, alpha=1.0 - beta1)
-            if bias:
-                torch.div(m_t, 1.0 - beta1**step, out=out_t)
-        return out if bias else m
-    for m_t, g_t, out_t in tiles(m, grad, out):
-        filtered = torch.mul(m_t, beta3, out=out_t).add_(g_t, alpha=1.0 - beta3)
-        if bias:
-            filtered.div_(1.0 - beta3 * beta1 ** (step - 1))
-        m_t.mul_(beta1).add_(g_t, alpha=1.0 - beta1)
-    return out
+        m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        return torch.div(m, 1.0 - beta1**step, out=out) if bias else m
+    filtered = torch.mul(m, beta3, out=out).add_(grad, alpha=1.0 - beta3)
+    if bias:
+        filtered.div_(1.0 - beta3 * beta1 ** (step - 1))
+    m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+    return filtered
 
 
 def graft(state: dict, group: dict, step: int, x: Tensor, out: Tensor) -> Tensor:
@@ -158,15 +121,12 @@ def graft(state: dict, group: dict, step: int, x: Tensor, out: Tensor) -> Tensor
     grafting = group["grafting"]
     if grafting in (None, "sgd"):
         return x
-    bias = 1.0 - group["grafting_beta2"] ** step if grafting == "adam" else None
-    for v, x_t, out_t in tiles(state["grafting_state"], x, out):
-        if bias is not None:
-            torch.div(v, bias, out=out_t)
-        else:
-            out_t.copy_(v)
-        out_t.sqrt_().add_(group["grafting_epsilon"])
-        torch.div(x_t, out_t, out=out_t)
-    return out
+    if grafting == "adam":
+        torch.div(state["grafting_state"], 1.0 - group["grafting_beta2"] ** step, out=out)
+    else:
+        out.copy_(state["grafting_state"])
+    out.sqrt_().add_(group["grafting_epsilon"])
+    return torch.div(x, out, out=out)
 
 
 def apply_grafting(
@@ -210,73 +170,35 @@ def folded_decay_factor(group: dict) -> float | None:
     return None if group["iterate_averaging"] is not None else decoupled_decay_factor(group)
 
 
-@dataclass
-class Scaled:
-    """A kind's direction ``factor · tensor`` not yet formed (``tensor`` may be of a
-    narrower dtype, or a transposed view): ``finish_direction`` forms it tile by tile, so
-    that the wide copy never makes a pass of its own through memory; ``form`` gives the
-    same numbers whole."""
-
-    tensor: Tensor
-    factor: float
-
-    def form(self, out: Tensor) -> Tensor:
-        """``factor · tensor`` into ``out`` (out's dtype; the product rounded once there)."""
-        if self.factor == 1.0:
-            return out.copy_(self.tensor)
-        if self.tensor.dtype == out.dtype:
-            return torch.mul(self.tensor, self.factor, out=out)
-        return out.copy_(self.tensor).mul_(self.factor)
-
-
 def finish_direction(
     state: dict, group: dict, direction: Tensor, scale: Tensor | None, owned: bool,
-    param: Tensor | list[Tensor] | None, lr: float, out: Tensor, copy_into: Tensor,
+    param: Tensor | Sequence[Tensor] | None, lr: float, out: Tensor, copy_into: Tensor,
 ) -> None:
     """Lines 6–8: ``out = -lr · momentum(scale · P + α W)``.
 
     ``owned``: whether ``direction`` may be modified (else it is first copied into
-    ``copy_into``). ``param``: the stacked parameters when decay needs them, a stack or one
-    view per row (``param_rows``). Without decay and momentum, the grafting scale and
-    ``-lr`` are one pass; otherwise the rows go tile by tile (``row_tiles``), and a
-    ``Scaled`` direction is formed in each tile first. With iterate
+    ``copy_into``). ``param``: the parameters' blocks when decay needs them, a stack or one
+    view per row (``add_rows``; only read).
+    Without decay and momentum, the grafting scale and ``-lr`` are one pass. With iterate
     averaging, decoupled decay shrinks ``z`` instead (``averaging.apply``), as in Meta.
     """
     alpha = folded_decay_factor(group)
     mu = group["momentum"]
-    buf = state["momentum"] if mu > 0 else None
-    if isinstance(direction, Scaled):  # formed tile by tile into copy_into
-        for index in row_tiles(out):
-            formed = Scaled(direction.tensor[index], direction.factor).form(copy_into[index])
-            _finish_rows(group, formed, None if scale is None else scale[index[0]], True,
-                         None if alpha is None else param_rows(param, index), alpha,
-                         None if buf is None else buf[index], lr, out[index],
-                         copy_into[index])
-        return
     if alpha is None and mu == 0:
         if scale is None:
             torch.mul(direction, -lr, out=out)
         else:
             torch.mul(direction, scale.mul_(-lr), out=out)
         return
-    for index in row_tiles(out):
-        _finish_rows(group, direction[index], None if scale is None else scale[index[0]],
-                     owned, None if alpha is None else param_rows(param, index), alpha,
-                     None if buf is None else buf[index], lr, out[index], copy_into[index])
-
-
-def _finish_rows(group: dict, direction: Tensor, scale: Tensor | None, owned: bool,
-                 param: Tensor | None, alpha: float | None, buf: Tensor | None, lr: float,
-                 out: Tensor, copy_into: Tensor) -> None:
-    """``finish_direction`` on some rows (``buf``: their momentum)."""
     if scale is not None:
         direction.mul_(scale)
     elif not owned:
         direction = copy_into.copy_(direction)
     if alpha is not None:
-        direction.add_(param, alpha=alpha)  # as Meta: one pass, W left as it is
-    if buf is not None:
-        mu, dampening = group["momentum"], group["dampening"]
+        add_rows(direction, param, alpha)  # as Meta: one pass, W left as it is
+    if mu > 0:
+        dampening = group["dampening"]
+        buf = state["momentum"]
         buf.mul_(mu).add_(direction, alpha=1.0 - dampening)
         if group["nesterov"]:
             direction.mul_(1.0 - dampening).add_(buf, alpha=mu)

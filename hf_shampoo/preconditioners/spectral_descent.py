@@ -19,7 +19,6 @@ from torch import Tensor
 
 from ..keywords import Keyword, choice, fail, integer, is_real
 from ..orthogonalization import lr_adjustment, newton_schulz, svd_orthogonalize
-from ..stages import Scaled
 from .base import Preconditioner
 
 
@@ -83,5 +82,9 @@ class SpectralDescent(Preconditioner):
                 tuple(group["newton_schulz_coefficients"]),
                 group["newton_schulz_dtype"] or group["factor_matrix_dtype"])
         rows, cols = stack.shape
-        # formed (widened, scaled) by the finish, tile by tile: no pass of its own
-        return Scaled(orthogonal, lr_adjustment(group["spectral_lr_adjustment"], rows, cols))
+        scale = lr_adjustment(group["spectral_lr_adjustment"], rows, cols)
+        if scale == 1.0:
+            return out.copy_(orthogonal)
+        if orthogonal.dtype == out.dtype:
+            return torch.mul(orthogonal, scale, out=out)
+        return out.copy_(orthogonal).mul_(scale)  # scaled in out's (wider) dtype

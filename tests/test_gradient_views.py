@@ -1,8 +1,8 @@
-"""The passes around the math: the CPU's elementwise stages run tile by tile, the parameters
-are read through views, and gradients become views of their stack's buffer (as DDP's
-buckets). None of it may change a number: every stage in tiles equals the same stage over
-whole tensors bit for bit, a step with gradients kept between steps (``zero_grad(set_to_none=
-False)``) equals one with fresh gradients, and the user's gradients never change."""
+"""No copy where a view serves: weight decay reads the parameters through views, and
+gradients become views of their stack's buffer (as DDP's buckets). Neither may change a
+number: decay from views equals decay from a stack bit for bit, a step with gradients kept
+between steps (``zero_grad(set_to_none=False)``) equals one with fresh gradients (one
+process and DDP), and the user's gradients never change."""
 
 import os
 import tempfile
@@ -15,7 +15,6 @@ import torch.nn as nn
 from hf_shampoo import DistributedShampoo, stages
 from tests.helpers import assert_bitwise, join_gloo_world
 
-SHAPES = [(3, 513, 259), (5, 7, 11), (2, 1100, 90), (1, 70_001)]  # tiles cut mid-row
 MUON = dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.95**2,
             use_bias_correction=False, weight_decay=0.1,
             spectral_lr_adjustment="match_rms_adamw", newton_schulz_dtype=torch.bfloat16,
@@ -25,72 +24,19 @@ SHAMPOO = dict(grafting="adam", weight_decay=0.01, momentum=0.9, nesterov=True, 
                max_preconditioner_dim=256)
 
 
-@pytest.fixture
-def whole(monkeypatch):
-    """Run the stages without tiles (one tile larger than any tensor)."""
-    def untiled():
-        monkeypatch.setattr(stages, "TILE", 1 << 40)
-    return untiled
-
-
-def _group(**changes):
-    group = dict(betas=(0.9, 0.999), beta3=None, use_bias_correction=True, grafting="adam",
-                 grafting_beta2=0.999, grafting_epsilon=1e-8, weight_decay=0.05,
-                 weight_decay_type="decoupled", peak_lr=None, momentum=0.9, dampening=0.1,
-                 nesterov=True, iterate_averaging=None, lr=0.01)
-    group.update(changes)
-    return group
-
-
-def _run_stages(shape, group, seed=0):
-    """Every elementwise stage once, on fresh state; everything they wrote."""
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda: torch.randn(shape, generator=gen)  # noqa: E731
-    state = {"grafting_state": rand().abs(), "filtered_grad": rand(), "momentum": rand()}
-    grad, out, graft_out, finish_out, copy_into = rand(), rand(), rand(), rand(), rand()
-    params = [rand()[0] for _ in range(shape[0])]
-    stages.update_grafting_state(state, group, grad)
-    filtered = stages.filtered_gradient(state, group, 3, grad, out).clone()
-    grafted = stages.graft(state, group, 3, filtered, graft_out).clone()
-    direction = rand()
-    scale = torch.rand((shape[0],) + (1,) * (len(shape) - 1), generator=gen)
-    stages.finish_direction(state, group, direction, scale, True, params, 0.01, finish_out,
-                            copy_into)
-    narrow = rand().to(torch.bfloat16)
-    scaled_out = torch.empty(shape)
-    stages.finish_direction(state, group, stages.Scaled(narrow, 1.7), None, True, params,
-                            0.01, scaled_out, torch.empty(shape))
-    return [filtered, grafted, finish_out, scaled_out, *state.values()]
-
-
 @pytest.mark.unit
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("changes", [{}, {"beta3": 0.81}, {"use_bias_correction": False},
-                                     {"grafting": "adagrad", "momentum": 0.0},
-                                     {"nesterov": False, "weight_decay": 0.0}])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_stages_in_tiles_equal_whole_tensors(whole, shape, changes, threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        tiled = _run_stages(shape, _group(**changes))
-        whole()
-        assert_bitwise(tiled, _run_stages(shape, _group(**changes)))
-    finally:
-        torch.set_num_threads(previous)
-
-
-@pytest.mark.unit
-def test_tiles_cut_every_element_once():
-    big = torch.zeros(3, 513, 259)
-    for index in stages.row_tiles(big):
-        big[index] += 1
-    assert bool((big == 1).all())
-    flat = torch.zeros(200_001)
-    for (piece,) in stages.tiles(flat):
-        piece += 1
-    assert bool((flat == 1).all())
-    assert len(list(stages.tiles(torch.zeros(10)))) == 1  # small: one piece
+@pytest.mark.parametrize("shapes", [[(300, 200)] * 3, [(7,)] * 40 + [(7,)], [(5, 3)] * 9])
+def test_decay_from_views_equals_decay_from_a_stack(shapes):
+    """``add_rows`` adds the parameters straight from their views, a large block alone and
+    small ones in groups: the same bits as adding their stack."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(s, generator=gen) for s in shapes]
+    target = torch.randn((len(rows), *shapes[0]), generator=gen)
+    expected = target.clone().add_(torch.stack(rows), alpha=0.1)
+    stages.add_rows(target, rows, 0.1)
+    assert torch.equal(target, expected)
+    groups = list(stages.row_groups(rows))
+    assert [i for a, b in groups for i in range(a, b)] == list(range(len(rows)))
 
 
 def _model(seed=0):
