@@ -153,6 +153,10 @@ class BlockStack:
     # per member: steps by which its refresh schedule is delayed (refresh_schedule)
     refresh_offsets: list[int] = field(default_factory=list)
     gathered_grad: Tensor | None = field(default=None, repr=False)  # reused every step
+    # whether the members' gradients were made views of gathered_grad at the last step, and
+    # how many steps in a row found them replaced since (Distributor.stacked_grads)
+    grads_viewed: bool = field(default=False, repr=False)
+    view_misses: int = field(default=0, repr=False)
     gathered_param: Tensor | None = field(default=None, repr=False)  # FSDP owners: weights
     # what differs from the group for these blocks (vector_preconditioner's settings)
     overrides: dict = field(default_factory=dict)

@@ -111,6 +111,37 @@ def test_views_are_made_only_where_the_layout_allows():
     assert plain.grad._base is not None and bool((plain.grad == 2.0).all())
 
 
+@pytest.mark.unit
+def test_fresh_gradients_stop_being_viewed_and_a_switch_to_l2_copies():
+    """New gradient tensors every step (``zero_grad()``): after two such steps no view is
+    made any more. Views kept, then L2 decay switched on: the step stacks a copy and the
+    user's gradients stay as they were, with the numbers of fresh gradients."""
+    fresh_model = _model()
+    opt = DistributedShampoo(fresh_model.parameters(), **MUON)
+    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(2))
+    for _ in range(4):
+        opt.zero_grad()
+        fresh_model(x).square().mean().backward()
+        opt.step()
+    assert not any(p.grad._base is not None for p in fresh_model.parameters())
+
+    runs = []
+    for set_to_none in (False, True):
+        model = _model()
+        opt = DistributedShampoo(model.parameters(), **SHAMPOO)
+        for step in range(5):
+            if step == 3:
+                for group in opt.param_groups:
+                    group["weight_decay_type"] = "l2"
+            opt.zero_grad(set_to_none=set_to_none)
+            model(x).square().mean().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            assert_bitwise([p.grad for p in model.parameters()], grads)
+        runs.append(list(model.parameters()))
+    assert_bitwise(*runs)
+
+
 def _ddp_worker(rank, world, init_file, out_dir):
     join_gloo_world(rank, world, init_file)
     model = _model()

@@ -49,6 +49,9 @@ def greedy_assignment(costs: Sequence[float], num_ranks: int) -> list[int]:
 
 #: in ``active_members``' list of non-finite gradients: another rank found one
 OTHER_RANK = -1
+#: steps in a row that find a stack's gradient views replaced (``zero_grad()`` frees
+#: gradients) before ``stacked_grads`` stops making them views
+VIEW_MISSES = 2
 
 
 class Distributor:
@@ -142,12 +145,16 @@ class Distributor:
         stack's buffer once it is filled, as DDP's ``gradient_as_bucket_view`` makes them
         views of its buckets: a gradient accumulated in place (``zero_grad(set_to_none=
         False)``) is then stacked without a copy, and the one autograd allocated is freed.
-        The values the user sees never change."""
+        Gradients found replaced at two steps in a row (``zero_grad()`` frees them: the
+        Trainer) are not made views again. The values the user sees never change."""
         grad_of = lambda p: self.local(p.grad)  # noqa: E731
         if len(active) != len(stack.members):
             return _stacked(stack, active, grad_of)
         buffer = stack_buffer(stack, "gathered_grad")
-        in_place = _viewing_rows(stack, buffer)
+        in_place = [False] * len(active)
+        if stack.grads_viewed:  # some gradients may still be views of the buffer
+            in_place = _viewing_rows(stack, buffer)
+            stack.view_misses = 0 if all(in_place) else stack.view_misses + 1
         if all(in_place) and not writes:
             return buffer  # accumulated into the views: nothing to copy
         if any(in_place) and writes:  # the user's gradients must not change: a copy
@@ -158,8 +165,11 @@ class Distributor:
             for row, piece, ok in zip(buffer, _pieces(stack, active, grad_of), in_place):
                 if not ok:
                     row.copy_(piece)
-        if not writes and self.views_gradients:
-            _view_gradients(stack, buffer, self.local, in_place)
+        # gradients that are new tensors at every step (zero_grad(), the Trainer's) are
+        # not made views again after two such steps in a row: nothing to gain there
+        viewed = (not writes and self.views_gradients and stack.view_misses < VIEW_MISSES
+                  and _view_gradients(stack, buffer, self.local, in_place))
+        stack.grads_viewed = viewed or any(in_place)
         return buffer
 
     def param_rows(self, stack, active: list[int]) -> list[Tensor]:
@@ -272,11 +282,11 @@ def _viewing_rows(stack, buffer: Tensor) -> list[bool]:
     return rows
 
 
-def _view_gradients(stack, buffer: Tensor, local, in_place: list[bool]) -> None:
+def _view_gradients(stack, buffer: Tensor, local, in_place: list[bool]) -> bool:
     """Make every member's gradient the view of its row of ``buffer`` (filled with the same
     values), where the blocks are whole parameters with plain contiguous gradients of the
     buffer's dtype that are no one else's views (DDP's bucket views stay DDP's);
-    ``in_place``: the members whose gradient is that view already."""
+    ``in_place``: the members whose gradient is that view already. Whether it did."""
     for block, viewing in zip(stack.members, in_place):
         param, grad = block.param, block.param.grad
         if viewing:
@@ -285,10 +295,12 @@ def _view_gradients(stack, buffer: Tensor, local, in_place: list[bool]) -> None:
                 or grad.dtype != buffer.dtype or grad.device != buffer.device
                 or grad._base is not None or grad.requires_grad
                 or not param.is_contiguous() or not grad.is_contiguous()):
-            return
+            return False
     with torch.no_grad():
-        for row, block in zip(buffer, stack.members):
-            block.param.grad = row.view(block.param.shape)
+        for row, block, viewing in zip(buffer, stack.members, in_place):
+            if not viewing:
+                block.param.grad = row.view(block.param.shape)
+    return True
 
 
 def _pieces(stack, active: list[int], tensor_of) -> list[Tensor]:
