@@ -1,39 +1,16 @@
 """The paper's ablation at a scale that reruns in minutes: every optimizer trains the same
 models from the same initialisations on the same batches, its learning rate chosen by a
 sweep this script runs, then several seeds; Shampoo's design choices are varied one at a
-time. Prints markdown tables, writes loss-vs-step and loss-vs-time plots and a JSON file
-of every run.
+time (``ABLATIONS``, at the base's swept learning rate). Prints markdown tables, writes
+loss-vs-step and loss-vs-time plots and a JSON file of every run. The tasks and optimizers
+are listed in benchmarks/README.md (and ``TASKS``, ``OPTIMIZERS``).
 
-Tasks (no download; ``--image-dataset`` / ``--text-dataset`` take a Hugging Face dataset
-by name or a ``save_to_disk`` directory instead):
-
-- ``resnet``: a small timm ResNet (one BasicBlock per stage, widths 16-128) on
-  scikit-learn's digits upsampled to 16×16; test accuracy and loss.
-- ``gpt2``: a 2-layer, 128-wide byte-level GPT-2 on Python's standard-library sources;
-  validation loss.
-- ``lora``: a LoRA fine-tune (peft, rank 4 on ``c_attn``/``c_proj``, base weights frozen)
-  of that GPT-2, first trained with AdamW on the sources (``--lora-base-steps``, the same
-  base for every run), on the standard library's docstrings (prose where the sources are
-  code); validation loss on held-out modules' docstrings and the optimizer state (MiB).
-
-Optimizers: AdamW, SGD with Nesterov momentum (ResNet only), Shampoo with Adam grafting,
-eigenvalue-corrected Shampoo (SOAP), KL-Shampoo, 4-bit Shampoo, and on GPT-2 Muon twice:
-ours (``make_optimizer(model, preset="muon")``) and torch.optim.Muon on the hidden
-matrices with AdamW on the rest, as users combine them by hand, and schedule-free Shampoo
-(constant lr after the warm-up, evaluated at its averaged weights); on LoRA: AdamW,
-Shampoo on ``model.parameters()`` (full factors on both sides of each adapter), Shampoo by
-``make_optimizer`` (the presets' adapter rule: the long side diagonal) and SOAP. Every run
-uses a linear warm-up over the first 5 % of steps and a cosine decay to zero
-(schedule-free: no decay). The learning rate of each optimizer is the value with the lowest mean
-training loss over the last 20 % of steps (seed 0) among a grid (1e-3, 3e-3, 1e-2; SGD
-0.03, 0.1, 0.3) extended along the 1-3-10 ladder while the best value is at its edge
-(``--max-lr-points``); the test/validation data play no part in the choice.
-
-Ablations (Shampoo, its swept learning rate): ``precondition_frequency`` 1 / 10 / 100,
-grafting (Adam, RMSprop, SGD, none), ``max_preconditioner_dim`` 32 / 128 / 512,
-eigenvalue correction on, the staggered refresh schedule, pseudo-inverse roots.
-
-Time is the process's CPU time with one thread (``time.process_time``), which equals the
+Every run uses a linear warm-up over the first 5 % of steps and a cosine decay to zero
+(schedule-free: no decay). The learning rate of each optimizer is the value with the
+lowest mean training loss over the last 20 % of steps (seed 0) among a grid (1e-3, 3e-3,
+1e-2; SGD 0.03, 0.1, 0.3) extended along the 1-3-10 ladder while the best value is at its
+edge (``--max-lr-points``); the test/validation data play no part in the choice. Time is
+the process's CPU time with one thread (``time.process_time``), which equals the
 wall-clock time on an idle core and is not inflated by other work on the machine.
 
     python -m benchmarks.ablation                       # the full run (about an hour here)
@@ -48,18 +25,18 @@ import json
 import math
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from benchmarks.common import command_line, hardware
+from benchmarks.common import command_line, hardware, log, table_head, table_row
 from benchmarks.configs import ADAMW, SHAMPOO, SOAP
 from benchmarks.harness import train_loop, warmup_cosine
 from benchmarks.tasks import (
     CONTEXT,
+    classification_parts,
     docstring_tokens,
     image_dataset,
     language_model_parts,
@@ -201,22 +178,7 @@ class Task:
 
 def resnet_task(args) -> Task:
     x, y, xt, yt, classes = image_dataset(args.image_dataset, args.image_size)
-
-    def batches(seed: int, steps: int) -> list:
-        g = torch.Generator().manual_seed(seed + 1)
-        return [torch.randint(0, len(y), (args.batch_size,), generator=g) for _ in range(steps)]
-
-    def loss(model, index):
-        return nn.functional.cross_entropy(model(x[index]), y[index])
-
-    def evaluate(model) -> dict[str, float]:
-        model.eval()
-        with torch.no_grad():
-            logits = model(xt)
-        model.train()
-        return {"test acc": (logits.argmax(1) == yt).float().mean().item(),
-                "test loss": nn.functional.cross_entropy(logits, yt).item()}
-
+    batches, loss, evaluate = classification_parts(x, y, xt, yt, args.batch_size)
     source = args.image_dataset or f"scikit-learn digits ({len(y)} train / {len(yt)} test)"
     return Task("resnet", f"timm ResNet (BasicBlock ×4, widths 16-128, "
                 f"{sum(p.numel() for p in make_resnet(0, classes).parameters()) / 1e6:.2f}M "
@@ -317,10 +279,6 @@ def smooth(values: list[float], width: int) -> list[float]:
     return out
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def extend(sweep: dict[float, dict], steps: int) -> list[float]:
     """The next learning rate on the 1-3-10 ladder beyond the grid's edge where the best
     tail loss lies ([] when the best is inside the grid): the sweep ends with an interior
@@ -416,7 +374,7 @@ def rows(record: dict, groups: dict[str, list[dict]], target: float, width: int,
                           key=lambda m: m != record["metric"])
     head = ["optimizer", "lr", "final train loss", *metric_names,
             f"steps to {target:.3f}", "seconds to it", "s / step"]
-    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    out = [table_head(*head)]
     for name, runs in groups.items():
         ok = [r for r in runs if not r["diverged"]]
         diverged = len(runs) - len(ok)
@@ -426,8 +384,8 @@ def rows(record: dict, groups: dict[str, list[dict]], target: float, width: int,
         per_step = (f"{statistics.mean(r['seconds'][-1] / len(r['seconds']) for r in ok):.3f}"
                     if ok else "–")
         final = spread(finals) + (f" ({diverged} diverged)" if diverged else "")
-        out.append("| " + " | ".join([name, lrs.get(name, "–"), final, *metrics, steps_to,
-                                       seconds_to, per_step]) + " |")
+        out.append(table_row(name, lrs.get(name, "–"), final, *metrics, steps_to, seconds_to,
+                             per_step))
     return out
 
 
@@ -460,11 +418,9 @@ def report(record: dict, args) -> str:
     if record["runs"]:
         lines += rows(record, record["runs"], target, width, lrs)
     lines += ["", "Learning-rate sweep (seed 0; mean training loss over the last 20 % of "
-              "steps; inf: diverged):", "", "| optimizer | learning rate: tail loss |",
-              "|---|---|"]
+              "steps; inf: diverged):", "", table_head("optimizer", "learning rate: tail loss")]
     for name, sweep in record["sweep"].items():
-        lines.append(f"| {name} | " + ", ".join(f"{lr}: {v:.4f}" for lr, v in sweep.items())
-                     + " |")
+        lines.append(table_row(name, ", ".join(f"{lr}: {v:.4f}" for lr, v in sweep.items())))
     if record["ablations"]:
         lrs = ablation_lrs(record)
         lines += ["", f"Ablations of {BASE}, one change each "
@@ -688,28 +644,36 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
-    args = parse(argv)
-    os.makedirs(args.out, exist_ok=True)
-    if args.replot:
-        records, headers = merge(args.replot)
-        header = "\n".join(headers)
-    else:
-        torch.set_num_threads(args.threads)
-        header = (f"`{command_line()}`; {hardware()}; time is CPU time "
-                  f"of the one-thread process")
-        records = []
-        builders = {"resnet": resnet_task, "gpt2": gpt2_task, "lora": lora_task}
-        for name in args.tasks:
-            records.append(run_task(builders[name](args), args))
-        records = compact(records)  # the tables are those of the saved JSON
-        with open(os.path.join(args.out, "ablation.json"), "w") as f:
+def publish(records: list[dict], header: str, args, json_name: str | None = None) -> None:
+    """Save the records as ``args.out/json_name`` (if named; floats rounded, and the tables
+    are those of the saved JSON), print the header and each task's report, draw its plots."""
+    if json_name:
+        records = compact(records)
+        with open(os.path.join(args.out, json_name), "w") as f:
             json.dump({"header": header, "records": records}, f)
     print(header + "\n")
     for record in records:
         print(report(record, args) + "\n", flush=True)
         for path in plot(record, args.out, args):
             print(f"wrote {path}")
+
+
+def header() -> str:
+    return f"`{command_line()}`; {hardware()}; time is CPU time of the one-thread process"
+
+
+TASKS = {"resnet": resnet_task, "gpt2": gpt2_task, "lora": lora_task}
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.replot:
+        records, headers = merge(args.replot)
+        return publish(records, "\n".join(headers), args)
+    torch.set_num_threads(args.threads)
+    publish([run_task(TASKS[name](args), args) for name in args.tasks], header(), args,
+            "ablation.json")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: the models' parameter shapes, gradients, timing.
+"""Shared pieces of the benchmarks: the models' parameter shapes, gradients, timing, the
+shared command-line options, markdown tables and marked sections, simulated ranks.
 
 Models are built from configs with random weights (no downloads): timm's ResNet-50 and a
 GPT-2-small-sized transformers model (124M parameters). Benchmarks time the optimizer on
@@ -8,6 +9,7 @@ the same inputs.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
@@ -18,14 +20,34 @@ from collections.abc import Callable
 
 import torch
 
-from hf_shampoo import eigenbasis
+from hf_shampoo import DistributedShampoo, eigenbasis
 from hf_shampoo.blocking import ParamBlocking
 from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment
 from hf_shampoo.distributors.fsdp import ShardedDistributor
 from hf_shampoo.distributors.placements import chunk_boxes
-from hf_shampoo.stack import BlockRef
+from hf_shampoo.stack import BlockRef, BlockStack
 
 MODELS = ("resnet50", "gpt2", "gpt2-medium", "gpt2-tiny")
+MIB = 2.0**20
+OPTIONS = {  # the options several benchmarks take, their defaults given by each (arguments)
+    "model": dict(choices=MODELS),
+    "models": dict(nargs="+", choices=MODELS),
+    "worlds": dict(type=int, nargs="+", help="world sizes (ranks)"),
+    "threads": dict(type=int, help="torch's CPU threads"),
+    "rounds": dict(type=int, help="interleaved timing rounds"),
+    "repeats": dict(type=int, help="timed steps"),
+    "steps": dict(type=int),
+    "seeds": dict(type=int),
+}
+
+
+def arguments(doc: str, **defaults) -> argparse.ArgumentParser:
+    """A benchmark's parser, described by the first line of its docstring, with the shared
+    ``OPTIONS`` named in ``defaults`` (``threads=1``: ``--threads``, default 1)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name}", default=default, **OPTIONS[name])
+    return parser
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -58,12 +80,40 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def parameters_with_grads(model: torch.nn.Module, seed: int = 0) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable(model)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-2
     return params
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout holds the tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def table_row(*cells) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def table_head(*columns: str) -> str:
+    """A markdown table's header row and the separator under it."""
+    return table_row(*columns) + "\n" + "|---" * len(columns) + "|"
+
+
+def markers(script: str) -> tuple[str, str]:
+    """The comments around a script's section of a results page (``write_section``)."""
+    return f"<!-- {script}.py:begin -->", f"<!-- {script}.py:end -->"
+
+
+def load_average() -> str:
+    return f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}."
 
 
 def write_section(path: str, text: str, begin: str, end: str) -> None:
@@ -91,6 +141,22 @@ def timed(fn: Callable[[], object], repeats: int, device: str | torch.device = "
         synchronize(device)
         times.append(time.perf_counter() - start)
     return times
+
+
+def timed_once(fn: Callable[[], object], device: torch.device | str = "cpu") -> float:
+    """Seconds of one call. On CUDA: events recorded around it on the current stream,
+    after a host synchronisation (earlier work is not counted), read once it is done."""
+    if torch.device(device).type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
 
 
 def median(values: list[float]) -> float:
@@ -181,6 +247,35 @@ class SimulatedRank(SingleProcessDistributor):
         return self.world_size * self.segment_numel * self.communication_dtype.itemsize
 
 
+class SimulatedOwner(SingleProcessDistributor):
+    """Rank ``rank`` of a ``world``-rank lossless FSDP2 run without communicating: the real
+    assignment, only this rank's blocks computed (every direction is still applied)."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        super().__init__()
+        self.world_size, self.rank = world, rank
+
+    def assign(self, blocks, block_shapes, costs=None):
+        return simulated_sharded(self.world_size).assign(blocks, block_shapes, costs)
+
+
+def simulated_step(params, distributor, max_dim: int, repeats: int
+                   ) -> tuple[DistributedShampoo, float, float]:
+    """One rank's optimizer (Adam grafting, float32) with ``distributor`` (None: all
+    blocks): (the optimizer, its first refresh's seconds, the median of ``repeats`` steady
+    steps)."""
+    opt = DistributedShampoo(params, lr=1e-3, betas=(0.9, 0.999), grafting="adam",
+                             max_preconditioner_dim=max_dim, precondition_frequency=10**6,
+                             start_preconditioning_step=10**6, distributed="none")
+    if distributor is not None:
+        opt.distributor = distributor  # before the first step builds the layout
+    opt.step()  # allocates state (a grafting-only step)
+    for group in opt.param_groups:  # the next step is the first refresh, then steady steps
+        group["step"] = group["start_preconditioning_step"] - 1
+    refresh = timed(opt.step, 1)[0]
+    return opt, refresh, median(timed(opt.step, repeats))
+
+
 def simulated_sharded(world: int) -> ShardedDistributor:
     """The lossless distributor's plan for rank 0 of a ``world``-rank FSDP2 mesh (rows
     chunked as ``fully_shard`` does), without a process group."""
@@ -202,3 +297,24 @@ def block_shape(block) -> tuple[int, ...]:
     if block.slices is None:
         return block.merged
     return tuple(s.stop - s.start for s in block.slices)
+
+
+def owners(params, world: int, scheme: str, max_dim: int) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, owner rank) of every block under the data-parallel assignment (``"ddp"``:
+    greedy by ``block_cost``) or the lossless FSDP2 plan (``"fsdp"``)."""
+    blocks = blocks_of(params, max_dim)
+    shapes = [block_shape(b) for b in blocks]
+    if scheme == "ddp":
+        return list(zip(shapes, greedy_assignment([block_cost(s) for s in shapes], world)))
+    return list(zip(shapes, simulated_sharded(world).assign(blocks, shapes)))
+
+
+def state_bytes(shape: tuple[int, ...], group: dict) -> dict[str, int]:
+    """Bytes of each state entry of one float32 block of ``shape`` under ``group``."""
+    return BlockStack(0, shape, [], torch.float32).state_bytes(group)
+
+
+def row_counts(rows: int, world: int) -> list[int]:
+    """Each rank's rows of a dim of ``rows`` chunked as ``fully_shard`` does."""
+    chunk = -(-rows // world)
+    return [max(0, min(rows, (r + 1) * chunk) - min(rows, r * chunk)) for r in range(world)]

@@ -1,20 +1,12 @@
 """Steady optimizer step, eager against ``compile=True``, on a model's parameter shapes.
 
-Two optimizers of the same configuration, one eager and one compiled (``--backend``:
-torch.compile's default, inductor, unless told), run on their own copies of the
-parameters with the same fixed random gradients. The step counter is set past
-``start_preconditioning_step`` between refreshes, so that every timed step is a steady
-preconditioned step (factor update, preconditioning with the initial roots, which costs
-what any roots cost, grafting, decay, momentum) and no eigendecomposition runs. Both
-optimizers are timed in interleaved steps in one process, so that a change of machine load
-hits both alike; medians are reported.
-
-The first steps (``--warmup``) are not timed as steady: the compiled optimizer compiles
-its kernels there (one graph per kernel and block-order pattern, then symbolic sizes).
-``compile s`` is the compiled warm-up's time minus the eager warm-up's; ``graphs``: the
-kernels' compiled graphs after the warm-up (and the most of one kernel, which torch caps
-at ``recompile_limit``), and those added during the timed steps, where the learning rate
-changes every step as under a scheduler (none expected).
+Two optimizers of the same configuration, one eager and one compiled, run on their own
+copies of the parameters with the same fixed random gradients, the step counter past
+``start_preconditioning_step`` between refreshes (every timed step is steady, no
+eigendecomposition), timed in interleaved steps; medians. The ``--warmup`` steps, where
+the compiled optimizer compiles its kernels, are not timed as steady: ``compile s`` is the
+compiled warm-up's time minus the eager one's. The learning rate changes every step, as
+under a scheduler: the graphs added in the timed steps should be none.
 
     python -m benchmarks.compile_step_time --models resnet50 gpt2 --threads 2
     python -m benchmarks.compile_step_time --models gpt2-tiny --steps 3   # a smoke run
@@ -22,13 +14,20 @@ changes every step as under a scheduler (none expected).
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
 import torch
 
-from benchmarks.common import MODELS, build_model, hardware, median
+from benchmarks.common import (
+    arguments,
+    build_model,
+    hardware,
+    load_average,
+    median,
+    table_head,
+    table_row,
+    trainable,
+)
 from hf_shampoo import DistributedShampoo, compiled
 
 F = 100_000  # precondition_frequency = start_preconditioning_step; steps F+1.. are steady
@@ -71,9 +70,7 @@ def graph_counts() -> tuple[int, int]:
 def measure(model_name: str, config_name: str, compile_option, warmup: int, steps: int
             ) -> dict:
     torch._dynamo.reset()
-    model = build_model(model_name)
-    shapes = [p.shape for p in model.parameters() if p.requires_grad]
-    del model
+    shapes = [p.shape for p in trainable(build_model(model_name))]
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]
     runs = {}
@@ -102,34 +99,29 @@ def measure(model_name: str, config_name: str, compile_option, warmup: int, step
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=["resnet50", "gpt2"])
+    parser = arguments(__doc__, models=["resnet50", "gpt2"], threads=2, steps=10)
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", default=None,
                         help="torch.compile backend (default: torch's, inductor)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steady steps each")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     option = True if args.backend is None else {"backend": args.backend}
     lines = [f"Hardware: {hardware()}.", f"compile={option!r}; steady steps, medians of "
              f"{args.steps} interleaved steps each after {args.warmup} warm-up steps.", "",
-             "| model | configuration | stacks | eager ms | compiled ms | compiled / eager "
-             "| compile s | graphs (most of one kernel) | graphs after warm-up "
-             "| max rel. difference |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             table_head("model", "configuration", "stacks", "eager ms", "compiled ms",
+                        "compiled / eager", "compile s", "graphs (most of one kernel)",
+                        "graphs after warm-up", "max rel. difference")]
     for model in args.models:
         for config in args.configs:
             r = measure(model, config, option, args.warmup, args.steps)
-            lines.append(
-                f"| {model} ({r['params'] / 1e6:.1f}M) | {config} | {r['stacks']} "
-                f"| {r['eager'] * 1e3:.1f} | {r['compiled'] * 1e3:.1f} "
-                f"| {r['compiled'] / r['eager']:.3f} | {r['compile']:.1f} "
-                f"| {r['graphs']} ({r['most']}) | {r['later graphs']} "
-                f"| {r['difference']:.1e} |")
+            lines.append(table_row(
+                f"{model} ({r['params'] / 1e6:.1f}M)", config, r["stacks"],
+                f"{r['eager'] * 1e3:.1f}", f"{r['compiled'] * 1e3:.1f}",
+                f"{r['compiled'] / r['eager']:.3f}", f"{r['compile']:.1f}",
+                f"{r['graphs']} ({r['most']})", r["later graphs"], f"{r['difference']:.1e}"))
             print(lines[-1], flush=True)
-    lines.append(f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+    lines.append(load_average())
     print("\n".join(lines))
 
 

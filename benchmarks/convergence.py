@@ -13,23 +13,23 @@ with a tolerance the share of factor matrices that the criterion sent to a QR st
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from benchmarks.common import StaleCounter, hardware
+from benchmarks.common import StaleCounter, arguments, hardware, table_row
 from benchmarks.configs import ADAMW, SHAMPOO, SOAP
 from benchmarks.harness import train_loop
 from benchmarks.tasks import (
-    CONTEXT,
+    classification_parts,
     digits_split,
+    language_model_parts,
     make_digits_model,
     make_gpt2,
     text_tokens,
-    windows_of,
 )
 from hf_shampoo import DistributedShampoo
 
@@ -82,46 +82,27 @@ def train(kind: str, config: dict | None, seed: int, args) -> tuple[list[float],
     which ends the run), the final test accuracy on digits or, for ``gpt2``, the validation
     loss on 64 fixed windows (``nan`` for a diverged run), the stale share of QR refreshes."""
     if kind == "gpt2":
-        train_tokens, val_tokens = text_tokens()
-        model = make_gpt2(seed)
-
-        def loss(model, starts):
-            batch = windows_of(train_tokens, starts)
-            return model(input_ids=batch, labels=batch).loss
-
-        def evaluate(model) -> float:
-            batch = windows_of(val_tokens, torch.linspace(0, len(val_tokens) - CONTEXT - 1,
-                                                          64).long())
-            return model(input_ids=batch, labels=batch).loss.item()
-
-        size = len(train_tokens) - CONTEXT
+        model, metric = make_gpt2(seed), "val loss"
+        sizes = SimpleNamespace(val_windows=64, text_batch_size=args.batch_size)
+        batches, loss, evaluate = language_model_parts(sizes, *text_tokens())
     else:
         x, y, xt, yt = digits_split(seed)
-        model = make_digits_model(kind, seed)
-        loss = lambda model, index: nn.functional.cross_entropy(model(x[index]), y[index])
-        evaluate = lambda model: (model(xt).argmax(1) == yt).float().mean().item()
-        size = len(y)
+        model, metric = make_digits_model(kind, seed), "test acc"
+        batches, loss, evaluate = classification_parts(x, y, xt, yt, args.batch_size)
     opt = make_optimizer(model, config, args)
-    g = torch.Generator().manual_seed(seed + 1)
-    batches = (torch.randint(0, size, (args.batch_size,), generator=g)
-               for _ in range(args.steps))
     with StaleCounter(count_tolerance_zero=False) as counter:
-        run = train_loop(model, opt, batches, loss)
-    with torch.no_grad():
-        metric = math.nan if run.diverged else evaluate(model)
+        run = train_loop(model, opt, batches(seed, args.steps), loss)
+    metric = math.nan if run.diverged else evaluate(model)[metric]
     stale = counter.stale / counter.checked if counter.checked and kind != "gpt2" else math.nan
     return run.padded(args.steps), metric, stale
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser = arguments(__doc__, steps=400, seeds=3, threads=1)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--frequency", type=int, default=10, help="precondition_frequency")
     parser.add_argument("--window", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerances", type=float, nargs="*", default=[0.05, 0.1, 0.2],
                         help="eigenbasis_tolerance values τ > 0 for the QR runs")
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"],
@@ -155,8 +136,8 @@ def main() -> None:
             stale = statistics.mean(s for _, _, s in runs)
             stale_text = "–" if stale != stale else f"{stale:.0%}"
             spread = (max(a for _, a, _ in runs) - min(a for _, a, _ in runs)) / 2
-            print(f"| {name} | " + " | ".join(f"{c:.4f}" for c in cells)
-                  + f" | {accuracy:.3f} ± {spread:.3f} | {stale_text} |", flush=True)
+            print(table_row(name, *(f"{c:.4f}" for c in cells), f"{accuracy:.3f} ± {spread:.3f}",
+                            stale_text), flush=True)
         print()
 
 

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from benchmarks.tasks import digits_split
+from benchmarks.tasks import digits_split, make_digits_model
 from hf_shampoo import make_optimizer
 
 GRIDS = {
@@ -35,9 +35,7 @@ def build(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
 def run(name: str, lr: float, steps: int, batch: int, seed: int) -> float:
     """The best validation loss seen every 10 steps (inf once it is not finite)."""
     xtr, ytr, xva, yva = digits_split(seed)
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                          nn.Linear(128, 10))
+    model = make_digits_model("mlp", seed)
     optimizer = build(name, model, lr)
     order = torch.Generator().manual_seed(seed + 1)
     best = math.inf

@@ -1,18 +1,11 @@
 """Per-rank optimizer-step time and state memory of data-parallel Shampoo (docs/design.md §4).
 
-For each world size, every rank's share of the work is timed on its own (one thread per
-rank on a CPU, as the ranks of one machine would run), with the same gradients: the
-steady step (factor update + preconditioning + applying every block's update), the
-refresh step (eigendecompositions of the rank's factors), the rank's optimizer state,
-and the all-gather volume per step. Prints a markdown table; ``--write`` puts it into
-docs/benchmarks/distributed.md between markers.
-
-``--e2e`` adds the end-to-end view: one rank's forward + backward (``--batch-size`` per
-rank, random inputs: ``--image-size`` images for ResNet-50, ``--seq-len`` tokens for
-GPT-2), ``torch.optim.AdamW`` (every DDP rank runs all of it) and the rank's Shampoo step
-amortized over ``--precondition-frequency`` steps (``steady + (refresh - steady) / f``);
-the overhead is ``(fwd+bwd + Shampoo) / (fwd+bwd + AdamW) - 1``. The all-gather is not
-timed (its volume is in the table).
+Every rank's share of the work is timed on its own (one thread per rank, as the ranks of
+one machine would run), with the same gradients: steady and refresh step, the rank's state
+and the all-gather volume per step. ``--e2e`` adds one rank's forward + backward (random
+inputs), AdamW's step (every DDP rank runs all of it) and the overhead
+``(fwd+bwd + Shampoo) / (fwd+bwd + AdamW) - 1`` with the slowest rank's Shampoo step
+amortized over ``--precondition-frequency`` steps; the all-gather is not timed.
 
     python -m benchmarks.distributed_scaling --model resnet50 --worlds 1 2 4 8
     python -m benchmarks.distributed_scaling --model gpt2 --worlds 1 2 4 8 --repeats 1 --e2e
@@ -20,39 +13,34 @@ timed (its volume is in the table).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from benchmarks.common import (
+    MIB,
     SimulatedRank,
+    arguments,
     build_model,
     hardware,
     median,
     parameters_with_grads,
+    simulated_step,
+    table_head,
+    table_row,
     timed,
+    trainable,
 )
-from hf_shampoo import DistributedShampoo
 
 
 def rank_figures(model_name: str, world: int, rank: int, args) -> dict:
-    model = build_model(model_name)
-    params = parameters_with_grads(model)
-    opt = DistributedShampoo(params, lr=1e-3, betas=(0.9, 0.999), grafting="adam",
-                             max_preconditioner_dim=args.max_preconditioner_dim,
-                             precondition_frequency=10**6, start_preconditioning_step=10**6,
-                             distributed="none")
-    opt.distributor = SimulatedRank(world, rank)  # before the first step builds the layout
-    opt.step()  # allocates state (a grafting-only step)
-    for group in opt.param_groups:  # next step is t = s: the first refresh; then steady steps
-        group["step"] = group["start_preconditioning_step"] - 1
-    refresh = timed(opt.step, 1)[0]
-    steady = timed(opt.step, args.repeats)
+    params = parameters_with_grads(build_model(model_name))
+    opt, refresh, steady = simulated_step(params, SimulatedRank(world, rank),
+                                          args.max_preconditioner_dim, args.repeats)
     state_bytes = sum(t.numel() * t.element_size()
                       for entry in opt.local_state_dict()["state"].values() for t in entry.values())
-    blocks = sum(row["owned"] for row in opt.describe_blocks())
-    return {"steady": median(steady), "refresh": refresh, "state_bytes": state_bytes,
+    blocks = sum(r["owned"] for r in opt.describe_blocks())
+    return {"steady": steady, "refresh": refresh, "state_bytes": state_bytes,
             "blocks": blocks, "gather_bytes": opt.distributor.all_gather_bytes()}
 
 
@@ -76,7 +64,7 @@ def e2e_baselines(model_name: str, args) -> dict:
 
     forward_backward()
     figures = {"fwd_bwd": median(timed(forward_backward, args.e2e_repeats))}
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable(model)
     for flavour in ("foreach", "fused"):
         opt = torch.optim.AdamW(params, lr=1e-3, **{flavour: True})
         opt.step()
@@ -85,12 +73,8 @@ def e2e_baselines(model_name: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["resnet50", "gpt2"], default="resnet50")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = arguments(__doc__, model="resnet50", worlds=[1, 2, 4, 8], repeats=3, threads=1)
     parser.add_argument("--max-preconditioner-dim", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--e2e", action="store_true", help="add forward+backward and AdamW")
     parser.add_argument("--precondition-frequency", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank (--e2e)")
@@ -110,15 +94,13 @@ def main() -> None:
     print(f"\n### {args.model}: per-rank optimizer step (max over ranks)\n")
     print(f"Hardware: {hardware()}; max_preconditioner_dim {args.max_preconditioner_dim}, "
           "Adam grafting, float32 communication.\n")
-    head = ("| world | blocks/rank (max) | steady step s | refresh step s | "
-            "state MiB/rank (max) | all-gather MiB/step |")
-    print(head)
-    print("|" + "---|" * 6)
+    print(table_head("world", "blocks/rank (max)", "steady step s", "refresh step s",
+                     "state MiB/rank (max)", "all-gather MiB/step"))
     for world, figures, slowest in rows:
-        refresh = max(f["refresh"] for f in figures)
-        print(f"| {world} | {max(f['blocks'] for f in figures)} | {slowest['steady']:.3f} | "
-              f"{refresh:.2f} | {max(f['state_bytes'] for f in figures) / 2**20:.1f} | "
-              f"{figures[0]['gather_bytes'] / 2**20:.1f} |")
+        print(table_row(world, max(f["blocks"] for f in figures), f"{slowest['steady']:.3f}",
+                  f"{max(f['refresh'] for f in figures):.2f}",
+                  f"{max(f['state_bytes'] for f in figures) / MIB:.1f}",
+                  f"{figures[0]['gather_bytes'] / MIB:.1f}"))
     if not args.e2e:
         return
     base = e2e_baselines(args.model, args)
@@ -130,15 +112,14 @@ def main() -> None:
           f"per rank: {base['fwd_bwd']:.3f} s; AdamW step: foreach {base['foreach']:.3f} s, "
           f"fused {base['fused']:.3f} s. Shampoo: the slowest rank's steady step plus its "
           f"refresh spread over {f} steps.\n")
-    print("| world | Shampoo step s (amortized) | step total s (fwd+bwd+opt) | "
-          "overhead vs AdamW foreach | vs AdamW fused |")
-    print("|" + "---|" * 5)
+    print(table_head("world", "Shampoo step s (amortized)", "step total s (fwd+bwd+opt)",
+                     "overhead vs AdamW foreach", "vs AdamW fused"))
     for world, figures, _slowest in rows:
         amortized = max(r["steady"] + (r["refresh"] - r["steady"]) / f for r in figures)
         total = base["fwd_bwd"] + amortized
-        print(f"| {world} | {amortized:.3f} | {total:.3f} | "
-              f"{total / (base['fwd_bwd'] + base['foreach']) - 1:+.0%} | "
-              f"{total / (base['fwd_bwd'] + base['fused']) - 1:+.0%} |")
+        print(table_row(world, f"{amortized:.3f}", f"{total:.3f}",
+                  f"{total / (base['fwd_bwd'] + base['foreach']) - 1:+.0%}",
+                  f"{total / (base['fwd_bwd'] + base['fused']) - 1:+.0%}"))
 
 
 if __name__ == "__main__":

@@ -1,34 +1,19 @@
 """End-to-end training step time (forward + backward + optimizer step + zero_grad) of
 Shampoo against fused AdamW, on a GPU. The goal it checks: with
 ``precondition_frequency=100`` and ``refresh_schedule="staggered"``, Shampoo's mean step
-is at most 1.10x AdamW's.
+is at most 1.10x AdamW's (``--muon``: Muon's, at most 1.05x).
 
-Workloads (same model initialisation and same batches for every optimizer, each run on a
-fresh copy of the model, one after the other):
+Every optimizer gets the same model initialisation and batches, each run a fresh copy of
+the model, one after the other: ``resnet50`` (timm, ``channels_last``, synthetic
+ImageNet-shaped batches, autocast, a plain loop; Shampoo staggered and ``"all"``) and
+``gpt2`` (GPT-2 small through the transformers ``Trainer``: ``optim="adamw_torch_fused"``
+against ``optim="distributed_shampoo"`` with ``optim_args``, step times from a callback).
 
-- ``resnet50``: timm's ResNet-50 (random init, 1000 classes), ``channels_last``, synthetic
-  ImageNet-shaped batches made once on the device, autocast forward; a plain training
-  loop. AdamW (fused), Shampoo staggered and Shampoo with ``refresh_schedule="all"``
-  (whose slowest step is the refresh that staggering spreads out).
-- ``gpt2``: GPT-2 small (124M, random init) through the transformers ``Trainer`` on
-  random tokens: ``optim="adamw_torch_fused"`` against ``optim="distributed_shampoo"``
-  with ``optim_args`` (the Trainer's defaults otherwise: gradient clipping at 1.0, the
-  module rules of hf_shampoo's ``transformer`` preset). Step times from a callback
-  (``on_step_begin`` to ``on_step_end``; fetching the batch is outside).
-
-``--muon`` adds Muon to the GPT-2 workload: ``optim="distributed_muon"`` (spectral descent on
-the hidden matrices, Adam elsewhere), whose goal is a mean step at most 1.05x AdamW's.
-
-``--variants`` adds staggered Shampoo runs with GPU-oriented options to both workloads:
-``qr`` (``eigendecomposition="qr"``, ``orthogonalization="cholesky_qr"``: refreshes by
-matrix products after the first ``eigh``) and ``bf16-roots``
-(``inv_factor_matrix_dtype=torch.bfloat16``: the steady step's products in bfloat16).
-
-Window: preconditioning starts at step F (``start_preconditioning_step=None``) and the
-staggered schedule delays each block by an offset in [0, F), so the last block's first
-refresh is step 2F - 1. After 2F + 1 warm-up steps, F steps are timed: every block is
-preconditioning and refreshes exactly once in the window, under either schedule.
-On CUDA each step is bracketed by ``torch.cuda.synchronize()``.
+Window: preconditioning starts at step F and the staggered schedule delays each block by
+an offset in [0, F), so the last block's first refresh is step 2F - 1. After 2F + 1
+warm-up steps, F steps are timed: every block is preconditioning and refreshes exactly
+once in the window, under either schedule. On CUDA each step is bracketed by
+``torch.cuda.synchronize()``.
 
     python -m benchmarks.end_to_end --json $OUT/e2e.json      # on a GPU: a few minutes
     python -m benchmarks.end_to_end --tiny --device cpu       # CPU-sized check, ~20 s
@@ -50,12 +35,20 @@ from collections.abc import Iterator
 
 import torch
 
-from benchmarks.common import hardware, median, synchronize, write_section
-from hf_shampoo import DistributedShampoo  #also registers the Trainer name
+from benchmarks.common import (
+    hardware,
+    log,
+    markers,
+    median,
+    synchronize,
+    table_head,
+    table_row,
+    write_section,
+)
+from hf_shampoo import DistributedShampoo  # also registers the Trainer name
 from hf_shampoo.config import start_step
 
-MARK_BEGIN = "<!-- end_to_end.py:begin -->"
-MARK_END = "<!-- end_to_end.py:end -->"
+MARK_BEGIN, MARK_END = markers("end_to_end")
 WORKLOADS = ("resnet50", "gpt2")
 GOAL = 1.10  # Shampoo (staggered) mean step / AdamW's
 N_BATCHES = 4  # distinct batches, cycled
@@ -68,10 +61,6 @@ VARIANTS = {
 }
 FULL = dict(batch_size=256, image_size=224, seq_len=1024, gpt2_batch_size=8, frequency=100)
 TINY = dict(batch_size=4, image_size=32, seq_len=32, gpt2_batch_size=2, frequency=4)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def fused_adamw_supported(device: torch.device) -> bool:
@@ -353,9 +342,9 @@ def table(runs: list[dict], args, device: torch.device) -> str:
              + f" Window: steps {args.warmup + 1}–{args.total}, {f} steps = one period of "
              f"F={f}, after {args.warmup} warm-up steps (preconditioning starts at step {f}, "
              f"staggered by step {2 * f - 1} for every block).", "",
-             "| workload | optimizer | mean step s | median s | max s | max / median | "
-             "mean / AdamW | optimizer step, mean s | peak GPU memory GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             table_head("workload", "optimizer", "mean step s", "median s", "max s",
+                        "max / median", "mean / AdamW", "optimizer step, mean s",
+                        "peak GPU memory GiB")]
     goals = []
     for workload in WORKLOADS:
         rows = [r for r in runs if r["workload"] == workload]
@@ -364,9 +353,10 @@ def table(runs: list[dict], args, device: torch.device) -> str:
         base = rows[0]["mean"]
         for r in rows:
             memory = "–" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
-            lines.append(f"| {workload} | {r['optimizer']} | {r['mean']:.4f} | "
-                         f"{r['median']:.4f} | {r['max']:.4f} | {r['max'] / r['median']:.2f} | "
-                         f"{r['mean'] / base:.2f}× | {r['optimizer_mean']:.4f} | {memory} |")
+            lines.append(table_row(workload, r["optimizer"], f"{r['mean']:.4f}",
+                                   f"{r['median']:.4f}", f"{r['max']:.4f}",
+                                   f"{r['max'] / r['median']:.2f}", f"{r['mean'] / base:.2f}×",
+                                   f"{r['optimizer_mean']:.4f}", memory))
         for r in rows[1:]:
             if "staggered" not in r["optimizer"]:
                 continue

@@ -16,17 +16,9 @@
 #   bash benchmarks/gpu_session.sh lent       # ONE call of at most 9 minutes, the most valuable
 #                                             # first (below): what a lent 15-minute GPU runs
 #
-# `lent`, in order of value, each part cut at its own limit (540 s in all): (a) check 45 s;
-# (b) the `device` tests on CUDA, 150 s, interrupted with SIGINT so pytest still prints its
-# summary line; (c) spectral descent against torch.optim.Muon on GPT-2 small's hidden
-# matrices, bf16 Newton-Schulz, one process, 40 s; (d) the steady step and one eigh refresh
-# against Meta on ResNet-50 and GPT-2 small shapes, with bf16 roots, 70 s each; (e) inverse
-# roots by eigh against the coupled iterations, 45 s; (f) GPT-2 small through the Trainer:
-# fused AdamW, Shampoo F=100 staggered and Muon, 100 warm-up + 100 timed steps each, 120 s.
-#
-# Planned as three device calls of at most 10 minutes (30 minutes of device time in all,
-# the machine's start included): `check; tests` (about 4 min), `step` (at most 9 min) and
-# `e2e` (at most 9 min). Each part is cut at its own limit and its log says so.
+# `lent` runs check, the `device` tests (SIGINT after 150 s, so pytest prints its summary),
+# Muon, the step against Meta, the root solvers and GPT-2 through the Trainer, each cut at
+# its own limit (540 s in all; docs/gpu.md). `step` and `e2e` fit a 10-minute call each.
 #
 # SMOKE=1 DEVICE=cpu runs every part at toy size on a CPU (the plumbing, in about 3 min).
 #

@@ -14,11 +14,11 @@ import sys
 
 import torch
 
+from benchmarks.common import table_head, table_row
+from benchmarks.configs import SHAMPOO
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import make_optimizer
 
-SHAMPOO = dict(betas=(0.9, 0.999), epsilon=1e-12, grafting="adam", grafting_beta2=0.999,
-               grafting_epsilon=1e-8, max_preconditioner_dim=128, precondition_frequency=10)
 MODELS = {  # Llama 2 7B and 70B shapes
     "7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
@@ -66,15 +66,14 @@ def main() -> None:
         results[name] = (trainable, rules(model))
         print(f"{name}: {trainable / 1e6:.1f}M trainable", file=sys.stderr, flush=True)
     names = list(next(iter(results.values()))[1])
-    print("| rule | " + " | ".join(f"{m} ({t / 1e6:.1f}M adapter parameters)"
-                                    for m, (t, _) in results.items()) + " |")
-    print("|---|" + "---|" * len(results))
+    print(table_head("rule", *(f"{m} ({t / 1e6:.1f}M adapter parameters)"
+                               for m, (t, _) in results.items())))
     for rule in names:
         cells = []
         for _, (trainable, sizes) in results.items():
             b = sizes[rule]
             cells.append(f"{b / 2**30:.2f} GiB ({b / (8 * trainable):.2f}× AdamW)")
-        print(f"| {rule} | " + " | ".join(cells) + " |")
+        print(table_row(rule, *cells))
 
 
 if __name__ == "__main__":

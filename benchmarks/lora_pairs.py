@@ -1,18 +1,9 @@
 """LoRA adapter pairs: the factorization-aware preconditioner (``preconditioner=
 "riemannian_lora"``, docs/lora.md) against AdamW, the presets' adapter rule, full factors
-and SOAP, with the ablation's training loop, learning-rate sweeps and reports
-(``ablation.py``: ``run_task``, ``report``, ``plot``; nothing there is changed).
-
-Tasks:
-
-- ``lora``: the ablation's GPT-2 LoRA task (peft r = 4 on ``c_attn``/``c_proj`` of a small
-  byte-level GPT-2 trained with AdamW on the standard-library sources, fine-tuned on their
-  docstrings), exactly as ``ablation.py --tasks lora`` builds it;
-- ``vit``: a task of another kind: a small timm VisionTransformer (16×16 digits, patch 4,
-  width 64, 2 blocks) trained with AdamW on scikit-learn's digits, then LoRA adapters
-  (peft r = 4 on ``qkv``, ``proj``, ``fc1``, ``fc2`` and the patch embedding's conv, the
-  base and the head frozen) fine-tuned on the digits rotated by 90°; test loss and
-  accuracy on the rotated held-out digits.
+and SOAP, with the ablation's training loop, learning-rate sweeps and reports. Tasks: the
+ablation's GPT-2 ``lora`` task, and ``vit``: LoRA adapters (peft r = 4 on ``qkv``, ``proj``,
+``fc1``, ``fc2`` and the patch conv; base and head frozen) of a small timm ViT trained on
+upright digits, fine-tuned on the digits turned by 90°.
 
     python -m benchmarks.lora_pairs --tasks vit
     python -m benchmarks.lora_pairs --tasks lora --optimizers "Riemannian LoRA (scaled AdamW)"
@@ -22,20 +13,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import shlex
-import sys
 
 import torch
 from torch import nn
 
 from benchmarks import ablation
 from benchmarks.ablation import Optimizer, Task
-from benchmarks.common import hardware
 from benchmarks.configs import SHAMPOO, SOAP
-from benchmarks.harness import warmup_cosine
-from benchmarks.tasks import digits_split, upsample
+from benchmarks.harness import train_loop, warmup_cosine
+from benchmarks.tasks import classification_parts, digits_split, upsample
 
 # Adam's hyperparameters as AdamW's runs (betas 0.9 / 0.999, eps 1e-8, decay 1e-4); the
 # adapters get the pair preconditioner through the module rules' overrides, as a user would
@@ -83,14 +70,10 @@ def vit_base(x: torch.Tensor, y: torch.Tensor, steps: int, batch: int) -> nn.Mod
     upright digits, seed 0."""
     model = make_vit(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
     g = torch.Generator().manual_seed(12345)
-    for _ in range(steps):
-        index = torch.randint(0, len(y), (batch,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[index]), y[index]).backward()
-        opt.step()
-        schedule.step()
+    batches = [torch.randint(0, len(y), (batch,), generator=g) for _ in range(steps)]
+    train_loop(model, opt, batches, lambda model, i: nn.functional.cross_entropy(model(x[i]), y[i]),
+               warmup_cosine(steps))
     return model
 
 
@@ -109,22 +92,7 @@ def vit_task(args) -> Task:
     base = vit_base(x, y, args.vit_base_steps, args.batch_size)
     # the fine-tuning task: the same digits turned by 90 degrees
     rx, rxt = torch.rot90(x, 1, (2, 3)), torch.rot90(xt, 1, (2, 3))
-
-    def batches(seed: int, steps: int) -> list:
-        g = torch.Generator().manual_seed(seed + 1)
-        return [torch.randint(0, len(y), (args.batch_size,), generator=g) for _ in range(steps)]
-
-    def loss(model, index):
-        return nn.functional.cross_entropy(model(rx[index]), y[index])
-
-    def evaluate(model) -> dict[str, float]:
-        model.eval()
-        with torch.no_grad():
-            logits = model(rxt)
-        model.train()
-        return {"test loss": nn.functional.cross_entropy(logits, yt).item(),
-                "test acc": (logits.argmax(1) == yt).float().mean().item()}
-
+    batches, loss, evaluate = classification_parts(rx, y, rxt, yt, args.batch_size)
     sample = make_vit_lora(base, 0)
     trainable = sum(p.numel() for p in sample.parameters() if p.requires_grad)
     total = sum(p.numel() for p in sample.parameters())
@@ -177,22 +145,12 @@ def main(argv=None) -> None:
     args = parse(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
-    header = (f"`{shlex.join(['python', *sys.argv])}`; {hardware()}; time is CPU time "
-              f"of the one-thread process")
     records = []
     for name in args.tasks:
         args.steps = args.lora_steps if name == "lora" else args.vit_steps
         task = ablation.lora_task(args) if name == "lora" else vit_task(args)
         records.append(ablation.run_task(task, args))
-    records = ablation.compact(records)
-    with open(os.path.join(args.out, "lora_pairs.json"), "w") as f:
-        json.dump({"header": header, "records": records}, f)
-    print(header + "\n")
-    for record in records:
-        args.steps = record["steps"]
-        print(ablation.report(record, args) + "\n", flush=True)
-        for path in ablation.plot(record, args.out, args):
-            print(f"wrote {path}")
+    ablation.publish(records, ablation.header(), args, "lora_pairs.json")
 
 
 if __name__ == "__main__":

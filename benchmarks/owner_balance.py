@@ -1,30 +1,27 @@
 """How evenly block owners share the optimizer's state and work (docs/parallelism.md).
 
-For ResNet-50 and GPT-2 small at world 2/4/8, under the data-parallel assignment (DDP:
-greedy over all blocks) and the sharded one (FSDP2 rows, owners among the rows' holders),
-this prints the largest rank's share of the state bytes and of the step's floating-point
-operations against the mean (1.00 is perfect), with the blocks costed two ways:
-
-- ``shape``: the cost of a block from its shape alone (``Σ d² + numel`` elements, or
-  ``Σ d³ + numel`` for compute: as if it had Kronecker factors, whatever its kind), what
-  owners were chosen by before;
-- ``kind``: what the block's kind really holds and computes (``BlockStack.assignment_cost``:
-  its state bytes; for the work, the kind's ``step_flops``);
-- ``bound``: the best any assignment can do, ``max(1, largest block / mean)``: a block is
-  never split between ranks.
-
-Configurations: Shampoo with Adam grafting (max_preconditioner_dim 1024), and the ``muon``
-preset of ``make_optimizer`` (spectral descent on hidden matrices, Adam on the rest), where
-vectors and embeddings hold Adam's two moments and matrices one momentum.
+The largest rank's share of the state bytes and of the step's flops against the mean (1.00
+is perfect) under the data-parallel assignment (greedy over all blocks) and the sharded one
+(owners among the rows' holders), with blocks costed by ``shape`` alone (``Σ d² + numel``,
+or ``Σ d³ + numel`` for compute, whatever the kind), by what their ``kind`` holds and
+computes (``BlockStack.assignment_cost``, ``step_flops``), and the ``bound`` a block's size
+allows (``max(1, largest block / mean)``: a block is never split). Configurations: Shampoo
+with Adam grafting, blocks of 1024, and the ``muon`` preset of ``make_optimizer``.
 
     python -m benchmarks.owner_balance --models resnet50 gpt2 --worlds 2 4 8
 """
 
 from __future__ import annotations
 
-import argparse
-
-from benchmarks.common import SimulatedRank, build_model, hardware, simulated_sharded
+from benchmarks.common import (
+    SimulatedRank,
+    arguments,
+    build_model,
+    hardware,
+    simulated_sharded,
+    table_head,
+    table_row,
+)
 from hf_shampoo import DistributedShampoo, make_optimizer
 from hf_shampoo.distributors import block_cost
 
@@ -79,9 +76,7 @@ def shares(model_name: str, config: str, world: int, scheme: str, rule: str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["resnet50", "gpt2"])
-    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4, 8])
+    parser = arguments(__doc__, models=["resnet50", "gpt2"], worlds=[2, 4, 8])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     args = parser.parse_args()
     print(f"# Owner balance ({hardware()})\n")
@@ -91,9 +86,8 @@ def main() -> None:
     for model_name in args.models:
         for config in args.configs:
             print(f"### {model_name}, {config}\n")
-            print("| world | scheme | state: shape | state: kind | state: bound | work: shape "
-                  "| work: kind | work: bound |")
-            print("|---|---|---|---|---|---|---|---|")
+            print(table_head("world", "scheme", "state: shape", "state: kind", "state: bound",
+                             "work: shape", "work: kind", "work: bound"))
             for world in args.worlds:
                 for scheme in ("ddp", "fsdp2"):
                     cells = []
@@ -103,8 +97,7 @@ def main() -> None:
                                                             rule, cost)
                             cells.append(s if cost == "memory" else w)
                         cells.append(s_bound if cost == "memory" else w_bound)
-                    print(f"| {world} | {scheme} | " + " | ".join(f"{c:.2f}" for c in cells)
-                          + " |", flush=True)
+                    print(table_row(world, scheme, *(f"{c:.2f}" for c in cells)), flush=True)
             print()
 
 

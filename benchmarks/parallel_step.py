@@ -1,31 +1,19 @@
 """Per-rank optimizer step and bytes per step under FSDP2 x tensor parallel (docs/parallelism.md).
 
-On 4 gloo ranks (one thread each) with GPT-2 small's parameters placed as a Megatron-style
-plan and FSDP2 leave them on a ``(dp_shard 2, tp 2)`` mesh (``Conv1D`` weights are
-``(in, out)``: attention and MLP inputs colwise = ``Shard(1)``, their outputs rowwise =
-``Shard(0)``, the vocabulary ``Shard(0)``, norms and the other biases replicated; FSDP2's
-``Shard(0)`` or ``_StridedShard`` on top), three schemes take the same steady Shampoo step
-(Adam grafting, ``max_preconditioner_dim`` 1024, no refresh in the timed steps):
-
-- ``lossless (ours)``: ``DistributedShampoo`` on the DTensors: every block once in the
-  world, parts of gradients to owners and of directions back (``all_to_all``);
-- ``full_tensor on every rank``: what users write today: ``grad.full_tensor()`` of every
-  parameter, the whole single-process step repeated on every rank, the local shard
-  copied back;
-- ``DDP on 4 ranks``: plain replicated parameters, blocks spread over the ranks, one
-  all-gather of the directions.
-
-It prints the slowest rank's median step (seconds) and, per rank, the bytes sent plus
-received in a step: measured (``bytes_last_step``) and computed from the layout for ours,
-computed for the others (a ring all-gather sends and receives what a rank lacks). With 4
-processes on fewer cores the times are oversubscribed alike for the three schemes.
+GPT-2 small's parameters are placed on a ``(dp_shard 2, tp 2)`` mesh of 4 gloo ranks as a
+Megatron-style plan and FSDP2 leave them (``Conv1D`` weights are ``(in, out)``: attention
+and MLP inputs colwise = ``Shard(1)``, their outputs rowwise = ``Shard(0)``, the vocabulary
+``Shard(0)``, the rest replicated; FSDP2's ``Shard(0)`` or ``_StridedShard`` on top). The
+schemes (``lossless`` ours, ``full_tensor`` on every rank with the whole step repeated,
+``ddp`` on plain parameters) take the same steady step (Adam grafting, blocks of 1024).
+Bytes per rank: measured (``bytes_last_step``) and computed from the layout for ours,
+computed for the others (a ring all-gather sends and receives what a rank lacks).
 
     python -m benchmarks.parallel_step --steps 3 --layers 4
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -36,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import build_model, hardware
+from benchmarks.common import MIB, arguments, build_model, hardware, table_head, table_row
 from hf_shampoo import DistributedShampoo
 
 WORLD = 4
@@ -158,8 +146,7 @@ def _local_part(whole: torch.Tensor, param) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser = arguments(__doc__, steps=3)
     parser.add_argument("--schemes", nargs="+", default=["lossless", "full_tensor", "ddp"])
     parser.add_argument("--layers", type=int, default=12,
                         help="GPT-2 small's blocks to keep (12: all; the full_tensor scheme "
@@ -178,17 +165,15 @@ def main() -> None:
     names = {"lossless": "lossless (ours), dp_shard 2 x tp 2",
              "full_tensor": "full_tensor on every rank, dp_shard 2 x tp 2",
              "ddp": "DDP on 4 ranks (plain parameters)"}
-    print("| scheme | step s (slowest rank, median) | MiB/step per rank, measured (max) | "
-          "MiB/step per rank, computed (max) | state MiB/rank (max) |")
-    print("|---|---|---|---|---|")
-    mib = 2.0**20
+    print(table_head("scheme", "step s (slowest rank, median)",
+                     "MiB/step per rank, measured (max)", "MiB/step per rank, computed (max)",
+                     "state MiB/rank (max)"))
     for scheme, got in rows:
         measured = max(g["measured"] for g in got)
-        print(f"| {names[scheme]} | {max(g['median'] for g in got):.3f} | "
-              f"{measured / mib:.1f} | " if measured else f"| {names[scheme]} | "
-              f"{max(g['median'] for g in got):.3f} | n/a | ", end="")
-        print(f"{max(g['computed'] for g in got) / mib:.1f} | "
-              f"{max(g['state'] for g in got) / mib:.0f} |")
+        print(table_row(names[scheme], f"{max(g['median'] for g in got):.3f}",
+                        f"{measured / MIB:.1f}" if measured else "n/a",
+                        f"{max(g['computed'] for g in got) / MIB:.1f}",
+                        f"{max(g['state'] for g in got) / MIB:.0f}"))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ case's own where it sets one (float16 inverse roots: 1e-5; see ``cases``).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -27,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from benchmarks.common import arguments, table_head, table_row
 
 SHAPES = [(6, 4), (5, 3, 3, 3), (7,), (40, 30), (50,), ()]
 F64 = torch.float64
@@ -61,77 +62,78 @@ def _common(**kw) -> dict:
     return base
 
 
+KINDS = (("shampoo", "RootInvShampooPreconditionerConfig"),
+         ("kl_shampoo", "RootInvKLShampooPreconditionerConfig"))
+ADAM = dict(grafting="adam", grafting_beta2=0.99, grafting_epsilon=1e-8)  # ours, as Meta's
+
+
+def ours_grafting(kind: str | None) -> dict:
+    if kind in (None, "sgd"):
+        return dict(grafting=kind)
+    return dict(ADAM, grafting=kind, grafting_beta2=0.99 if kind != "adagrad" else 0.999)
+
+
+def meta_grafting(m, kind: str | None):
+    return {
+        None: lambda: None,
+        "sgd": m.SGDPreconditionerConfig,
+        "adagrad": lambda: m.AdaGradPreconditionerConfig(epsilon=1e-8),
+        "rmsprop": lambda: m.RMSpropPreconditionerConfig(beta2=0.99, epsilon=1e-8),
+        "adam": lambda: m.AdamPreconditionerConfig(beta2=0.99, epsilon=1e-8),
+    }[kind]()
+
+
+def root_inv(m, config: str = "RootInvShampooPreconditionerConfig", **kw):
+    """Meta's inverse-root preconditioner config ``config``, float64 unless ``kw`` says."""
+    return getattr(m, config)(**{"factor_matrix_dtype": F64, "inv_factor_matrix_dtype": F64,
+                                 **kw})
+
+
+def adam_case(m, name: str, ours: dict, meta: Callable[[], dict],
+              tolerance: float | None = None) -> Case:
+    """A case with Adam grafting on both sides: our keywords ``ours``, Meta's ``meta()``."""
+    return Case(name, _common(**ours, **ADAM),
+                lambda: _common(grafting_config=meta_grafting(m, "adam"), **meta()), tolerance)
+
+
 def cases(m) -> list[Case]:
     """Every case; ``m`` is Meta's ``distributed_shampoo`` module."""
     from distributed_shampoo.shampoo_types import ClassicMomentumConfig, WeightDecayType
 
     m.ClassicMomentumConfig = ClassicMomentumConfig
-
-    def grafting(kind: str | None):
-        return {
-            None: None,
-            "sgd": m.SGDPreconditionerConfig(),
-            "adagrad": m.AdaGradPreconditionerConfig(epsilon=1e-8),
-            "rmsprop": m.RMSpropPreconditionerConfig(beta2=0.99, epsilon=1e-8),
-            "adam": m.AdamPreconditionerConfig(beta2=0.99, epsilon=1e-8),
-        }[kind]
-
-    def ours_grafting(kind):
-        if kind in (None, "sgd"):
-            return dict(grafting=kind)
-        return dict(grafting=kind, grafting_beta2=0.99 if kind != "adagrad" else 0.999,
-                    grafting_epsilon=1e-8)
-
-    def shampoo_cfg(**kw):
-        return m.RootInvShampooPreconditionerConfig(factor_matrix_dtype=F64,
-                                                    inv_factor_matrix_dtype=F64, **kw)
-
-    out: list[Case] = []
-    for kind in (None, "sgd", "adagrad", "rmsprop", "adam"):
-        out.append(Case(f"shampoo_graft_{kind}", _common(**ours_grafting(kind)),
-                        lambda kind=kind: _common(grafting_config=grafting(kind),
-                                                  preconditioner_config=shampoo_cfg())))
-    wd_types = {"l2": WeightDecayType.L2, "decoupled": WeightDecayType.DECOUPLED,
-                "corrected": WeightDecayType.CORRECTED, "independent": WeightDecayType.INDEPENDENT}
-    for name, meta_type in wd_types.items():
-        out.append(Case(f"shampoo_wd_{name}",
-                        _common(weight_decay=0.05, weight_decay_type=name, **ours_grafting("adam")),
-                        lambda meta_type=meta_type: _common(
-                            weight_decay=0.05, weight_decay_type=meta_type,
-                            grafting_config=grafting("adam"),
-                            preconditioner_config=shampoo_cfg())))
+    out = [Case(f"shampoo_graft_{kind}", _common(**ours_grafting(kind)),
+                lambda kind=kind: _common(grafting_config=meta_grafting(m, kind),
+                                          preconditioner_config=root_inv(m)))
+           for kind in (None, "sgd", "adagrad", "rmsprop", "adam")]
+    for name in ("l2", "decoupled", "corrected", "independent"):
+        out.append(adam_case(
+            m, f"shampoo_wd_{name}", dict(weight_decay=0.05, weight_decay_type=name),
+            lambda name=name: dict(weight_decay=0.05, preconditioner_config=root_inv(m),
+                                   weight_decay_type=getattr(WeightDecayType, name.upper()))))
     for nesterov in (False, True):
-        out.append(Case(f"shampoo_momentum_nesterov_{nesterov}",
-                        _common(momentum=0.5, nesterov=nesterov, **ours_grafting("adam")),
-                        lambda nesterov=nesterov: _common(
-                            iterate_averaging_config=m.ClassicMomentumConfig(
-                                momentum=0.5, use_nesterov=nesterov),
-                            grafting_config=grafting("adam"),
-                            preconditioner_config=shampoo_cfg())))
+        out.append(adam_case(
+            m, f"shampoo_momentum_nesterov_{nesterov}", dict(momentum=0.5, nesterov=nesterov),
+            lambda nesterov=nesterov: dict(
+                iterate_averaging_config=m.ClassicMomentumConfig(momentum=0.5,
+                                                                 use_nesterov=nesterov),
+                preconditioner_config=root_inv(m))))
     # inverse roots stored, and the preconditioning products run, in a low precision: the
     # same roundings as Meta's (float64 roots against Meta's bfloat16 ones differ by 7e-4).
     # float16 products accumulate differently in torch's bmm and tensordot on a CPU: 1e-6
     for name, dtype, tolerance in (("bf16", torch.bfloat16, None),
                                    ("fp16", torch.float16, 1e-5)):
-        out.append(Case(f"shampoo_inv_factor_matrix_{name}",
-                        _common(inv_factor_matrix_dtype=dtype, **ours_grafting("adam")),
-                        lambda dtype=dtype: _common(
-                            grafting_config=grafting("adam"),
-                            preconditioner_config=m.RootInvShampooPreconditionerConfig(
-                                factor_matrix_dtype=F64, inv_factor_matrix_dtype=dtype)),
-                        tolerance))
-    out.append(Case("shampoo_exponent_override",
-                    _common(inverse_exponent_override={2: {0: 0.0}, 1: 0.3},
-                            **ours_grafting("adam")),
-                    lambda: _common(grafting_config=grafting("adam"),
-                                    preconditioner_config=shampoo_cfg(
-                                        inverse_exponent_override={2: {0: 0.0}, 1: 0.3}))))
-    out += averaging_cases(m, out + corrected_cases(m, grafting, ours_grafting)
-                           + descent_cases(m, grafting, ours_grafting))
-    return out + pseudo_inverse_cases(m, grafting, ours_grafting) + root_solver_cases(
-        m, grafting, ours_grafting) + eigendecomposed_cases(
-        m, grafting, ours_grafting) + corrected_cases(m, grafting, ours_grafting) + descent_cases(
-        m, grafting, ours_grafting)
+        out.append(adam_case(
+            m, f"shampoo_inv_factor_matrix_{name}", dict(inv_factor_matrix_dtype=dtype),
+            lambda dtype=dtype: dict(preconditioner_config=root_inv(
+                m, inv_factor_matrix_dtype=dtype)), tolerance))
+    override = {2: {0: 0.0}, 1: 0.3}
+    out.append(adam_case(m, "shampoo_exponent_override", dict(inverse_exponent_override=override),
+                         lambda: dict(preconditioner_config=root_inv(
+                             m, inverse_exponent_override=override))))
+    corrected, descent = corrected_cases(m), descent_cases(m)
+    out += averaging_cases(m, out + corrected + descent)
+    return (out + pseudo_inverse_cases(m) + root_solver_cases(m) + eigendecomposed_cases(m)
+            + corrected + descent)
 
 
 def averaging_cases(m, base: list[Case]) -> list[Case]:
@@ -190,7 +192,7 @@ def averaging_cases(m, base: list[Case]) -> list[Case]:
     return out
 
 
-def eigendecomposed_cases(m, grafting, ours_grafting) -> list[Case]:
+def eigendecomposed_cases(m) -> list[Case]:
     """``preconditioner="eigendecomposed_shampoo"`` / ``"eigendecomposed_kl_shampoo"``
     (Meta's ``Eigendecomposed*PreconditionerConfig``): eigh, eigh with the criterion, QR
     with 1 and 3 iterations and tolerances 0 and > 0, and the pseudo-inverse."""
@@ -215,58 +217,44 @@ def eigendecomposed_cases(m, grafting, ours_grafting) -> list[Case]:
         if not hasattr(m, config):
             continue
         for name, ours, theirs in variants:
-            meta_extra = {k: v for k, v in ours.items()
-                          if k in ("epsilon", "start_preconditioning_step")}
-            out.append(Case(
-                f"{kind}_{name}", _common(preconditioner=kind, **ours, **ours_grafting("adam")),
-                lambda theirs=theirs, config=config, meta_extra=meta_extra: _common(
-                    **meta_extra, grafting_config=grafting("adam"),
-                    preconditioner_config=getattr(m, config)(
+            extra = {k: v for k, v in ours.items()
+                     if k in ("epsilon", "start_preconditioning_step")}
+            out.append(adam_case(
+                m, f"{kind}_{name}", dict(preconditioner=kind, **ours),
+                lambda theirs=theirs, config=config, extra=extra: dict(
+                    **extra, preconditioner_config=getattr(m, config)(
                         factor_matrix_dtype=F64, factor_matrix_eigenvectors_dtype=F64,
                         factor_matrix_eigenvalues_dtype=F64,
                         amortized_computation_config=theirs()))))
     return out
 
 
-def root_solver_cases(m, grafting, ours_grafting) -> list[Case]:
+def root_solver_cases(m) -> list[Case]:
     """``root_inverse="coupled_newton"`` / ``"coupled_higher_order"`` (Meta's
     ``CoupledNewtonConfig`` / ``CoupledHigherOrderConfig``) at Meta's default tolerances
     and a tight one, for Shampoo and KL-Shampoo; the higher order's ridge as ours by
     default (``abs_epsilon`` = epsilon) and relative."""
     if not hasattr(m, "CoupledNewtonConfig"):
         return []
-    out = []
-    kinds = (("shampoo", "RootInvShampooPreconditionerConfig"),
-             ("kl_shampoo", "RootInvKLShampooPreconditionerConfig"))
-    newton = (("newton", dict(), lambda: m.CoupledNewtonConfig()),
-              ("newton_tol1e-12", dict(root_tolerance=1e-12, root_max_iterations=200),
-               lambda: m.CoupledNewtonConfig(tolerance=1e-12, max_iterations=200)))
-    higher = (("higher3", dict(), lambda: m.CoupledHigherOrderConfig(rel_epsilon=0.0,
-                                                                    abs_epsilon=1e-6)),
-              ("higher2_rel", dict(root_order=2, root_rel_epsilon=1e-4, root_abs_epsilon=0.0),
-               lambda: m.CoupledHigherOrderConfig(rel_epsilon=1e-4, abs_epsilon=0.0,
-                                                  order=2)),
-              ("higher5_tol1e-12", dict(root_order=5, root_tolerance=1e-12),
-               lambda: m.CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=1e-6, order=5,
-                                                  tolerance=1e-12)))
-    for kind, config in kinds:
-        if not hasattr(m, config):
-            continue
-        for name, ours, theirs in [(n, dict(o, root_inverse="coupled_newton"), t)
-                                   for n, o, t in newton] + [
-                                  (n, dict(o, root_inverse="coupled_higher_order"), t)
-                                  for n, o, t in higher]:
-            out.append(Case(
-                f"{kind}_{name}", _common(preconditioner=kind, **ours, **ours_grafting("adam")),
-                lambda theirs=theirs, config=config: _common(
-                    grafting_config=grafting("adam"),
-                    preconditioner_config=getattr(m, config)(
-                        factor_matrix_dtype=F64, inv_factor_matrix_dtype=F64,
-                        amortized_computation_config=theirs()))))
-    return out
+    newton, higher = dict(root_inverse="coupled_newton"), dict(root_inverse="coupled_higher_order")
+    solvers = (
+        ("newton", newton, lambda: m.CoupledNewtonConfig()),
+        ("newton_tol1e-12", dict(newton, root_tolerance=1e-12, root_max_iterations=200),
+         lambda: m.CoupledNewtonConfig(tolerance=1e-12, max_iterations=200)),
+        ("higher3", higher, lambda: m.CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=1e-6)),
+        ("higher2_rel", dict(higher, root_order=2, root_rel_epsilon=1e-4, root_abs_epsilon=0.0),
+         lambda: m.CoupledHigherOrderConfig(rel_epsilon=1e-4, abs_epsilon=0.0, order=2)),
+        ("higher5_tol1e-12", dict(higher, root_order=5, root_tolerance=1e-12),
+         lambda: m.CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=1e-6, order=5,
+                                            tolerance=1e-12)),
+    )
+    return [adam_case(m, f"{kind}_{name}", dict(preconditioner=kind, **ours),
+                      lambda theirs=theirs, config=config: dict(preconditioner_config=root_inv(
+                          m, config, amortized_computation_config=theirs())))
+            for kind, config in KINDS if hasattr(m, config) for name, ours, theirs in solvers]
 
 
-def pseudo_inverse_cases(m, grafting, ours_grafting) -> list[Case]:
+def pseudo_inverse_cases(m) -> list[Case]:
     """``rank_deficient="pseudo_inverse"`` (Meta's ``PseudoInverseConfig`` in its
     ``EigenConfig``), on purpose while the factors are rank-deficient: preconditioning from
     step 3, when a 16 x 16 factor has seen 3 gradients. The cutoffs drop the null space's
@@ -276,25 +264,17 @@ def pseudo_inverse_cases(m, grafting, ours_grafting) -> list[Case]:
     if not hasattr(m, "PseudoInverseConfig"):
         return []
     early = dict(epsilon=0.0, start_preconditioning_step=3)
-    out = []
-    for name, atol, rtol in (("rtol_eps", 0.0, None), ("atol", 1e-6, 0.0),
-                             ("rtol", 0.0, 1e-9)):
-        for kind, config in (("shampoo", "RootInvShampooPreconditionerConfig"),
-                             ("kl_shampoo", "RootInvKLShampooPreconditionerConfig")):
-            if not hasattr(m, config):
-                continue
-            out.append(Case(
-                f"{kind}_pseudo_inverse_{name}",
-                _common(preconditioner=kind, rank_deficient="pseudo_inverse", rank_atol=atol,
-                        rank_rtol=rtol, **early, **ours_grafting("adam")),
-                lambda atol=atol, rtol=rtol, config=config: _common(
-                    **early, grafting_config=grafting("adam"),
-                    preconditioner_config=getattr(m, config)(
-                        factor_matrix_dtype=F64, inv_factor_matrix_dtype=F64,
-                        amortized_computation_config=m.EigenConfig(
-                            rank_deficient_stability_config=m.PseudoInverseConfig(
-                                rank_atol=atol, rank_rtol=rtol))))))
-    return out
+    return [adam_case(
+        m, f"{kind}_pseudo_inverse_{name}",
+        dict(preconditioner=kind, rank_deficient="pseudo_inverse", rank_atol=atol,
+             rank_rtol=rtol, **early),
+        lambda atol=atol, rtol=rtol, config=config: dict(
+            **early, preconditioner_config=root_inv(
+                m, config, amortized_computation_config=m.EigenConfig(
+                    rank_deficient_stability_config=m.PseudoInverseConfig(
+                        rank_atol=atol, rank_rtol=rtol)))))
+        for name, atol, rtol in (("rtol_eps", 0.0, None), ("atol", 1e-6, 0.0), ("rtol", 0.0, 1e-9))
+        for kind, config in KINDS if hasattr(m, config)]
 
 
 # spectral descent takes matrices: Meta blocks >2-D parameters by merging dims up to
@@ -302,7 +282,7 @@ def pseudo_inverse_cases(m, grafting, ours_grafting) -> list[Case]:
 MATRIX_SHAPES = [(6, 4), (40, 30), (3, 20), (5, 3, 3, 3)]
 
 
-def descent_cases(m, grafting, ours_grafting) -> list[Case]:
+def descent_cases(m) -> list[Case]:
     """Spectral descent (Newton–Schulz, SVD; whole matrices and blocks) and sign descent."""
     from distributed_shampoo.preconditioner.matrix_functions_types import (
         NewtonSchulzOrthogonalizationConfig,
@@ -354,8 +334,8 @@ def descent_cases(m, grafting, ours_grafting) -> list[Case]:
                     shapes=MATRIX_SHAPES[:3]))
     out.append(Case("spectral_svd_graft_adam",
                     _common(preconditioner="spectral_descent", max_preconditioner_dim=64,
-                            spectral_orthogonalization="svd", **ours_grafting("adam")),
-                    lambda: meta_whole(grafting_config=grafting("adam"),
+                            spectral_orthogonalization="svd", **ADAM),
+                    lambda: meta_whole(grafting_config=meta_grafting(m, "adam"),
                                        preconditioner_config=spectral(
                                            SVDOrthogonalizationConfig())),
                     shapes=MATRIX_SHAPES))
@@ -388,7 +368,7 @@ def l1_scale(grad: torch.Tensor) -> torch.Tensor:
     return grad.abs().sum()
 
 
-def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
+def corrected_cases(m) -> list[Case]:
     """Eigenvalue-corrected Shampoo (SOAP) with eigh and QR, KL-Shampoo."""
     out: list[Case] = []
 
@@ -404,7 +384,7 @@ def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
     for graft in (None, "adam"):
         out.append(Case(f"soap_eigh_graft_{graft}",
                         _common(preconditioner="eigenvalue_corrected", **ours_grafting(graft)),
-                        lambda graft=graft: _common(grafting_config=grafting(graft),
+                        lambda graft=graft: _common(grafting_config=meta_grafting(m, graft),
                                                     preconditioner_config=corrected_cfg())))
     for tolerance in (0.05, 0.3):  # adaptive eigh refresh (skips where the basis holds)
         out.append(Case(f"soap_eigh_tol{tolerance}",
@@ -412,19 +392,15 @@ def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
                                 eigenbasis_tolerance=tolerance),
                         lambda t=tolerance: _common(preconditioner_config=corrected_cfg(
                             m.EighEigendecompositionConfig(tolerance=t)))))
-    for iterations, tolerance in ((1, 0.0), (3, 0.0), (3, 0.05), (1, 0.3)):
-        name = f"soap_qr{iterations}_tol{tolerance}"
-        out.append(Case(name, _common(preconditioner="eigenvalue_corrected",
-                                      eigendecomposition="qr", qr_max_iterations=iterations,
-                                      eigenbasis_tolerance=tolerance),
-                        lambda i=iterations, t=tolerance: _common(
-                            preconditioner_config=corrected_cfg(qr(i, t)))))
-    for iterations, tolerance in ((1, 0.0), (3, 0.05)):  # matmul-based orthogonalisation
-        name = f"soap_qr{iterations}_tol{tolerance}_cholesky_qr"
+    # Householder QR, then the matmul-based orthogonalisation (Meta's numbers for both)
+    for iterations, tolerance, cholesky in ((1, 0.0, False), (3, 0.0, False), (3, 0.05, False),
+                                            (1, 0.3, False), (1, 0.0, True), (3, 0.05, True)):
+        name = f"soap_qr{iterations}_tol{tolerance}" + ("_cholesky_qr" if cholesky else "")
         out.append(Case(name, _common(preconditioner="eigenvalue_corrected",
                                       eigendecomposition="qr", qr_max_iterations=iterations,
                                       eigenbasis_tolerance=tolerance,
-                                      orthogonalization="cholesky_qr"),
+                                      **(dict(orthogonalization="cholesky_qr") if cholesky
+                                         else {})),
                         lambda i=iterations, t=tolerance: _common(
                             preconditioner_config=corrected_cfg(qr(i, t)))))
     out.append(Case("soap_wd_momentum",
@@ -443,9 +419,9 @@ def corrected_cases(m, grafting, ours_grafting) -> list[Case]:
             out.append(Case(f"kl_shampoo_graft_{graft}",
                             _common(preconditioner="kl_shampoo", **ours_grafting(graft)),
                             lambda graft=graft: _common(
-                                grafting_config=grafting(graft),
-                                preconditioner_config=m.RootInvKLShampooPreconditionerConfig(
-                                    factor_matrix_dtype=F64, inv_factor_matrix_dtype=F64))))
+                                grafting_config=meta_grafting(m, graft),
+                                preconditioner_config=root_inv(
+                                    m, "RootInvKLShampooPreconditionerConfig"))))
     return out
 
 
@@ -512,24 +488,22 @@ def load_meta(path: str | None):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arguments(__doc__, steps=27)
     parser.add_argument("--meta-path", default=os.environ.get("HF_SHAMPOO_META_PATH"))
-    parser.add_argument("--steps", type=int, default=27)
     parser.add_argument("--tolerance", type=float, default=1e-6)
     parser.add_argument("--cases", nargs="*", default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where both run")
     args = parser.parse_args()
     meta = load_meta(args.meta_path)
     failed = 0
-    print("| case | relative error | within tolerance |")
-    print("|---|---|---|")
+    print(table_head("case", "relative error", "within tolerance"))
     for case in cases(meta):
         if args.cases and case.name not in args.cases:
             continue
         error = run_case(case, args.steps, device=args.device)
         ok = error <= (case.tolerance or args.tolerance)
         failed += not ok
-        print(f"| {case.name} | {error:.2e} | {'yes' if ok else '**no**'} |", flush=True)
+        print(table_row(case.name, f"{error:.2e}", "yes" if ok else "**no**"), flush=True)
     return 1 if failed else 0
 
 

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from benchmarks.common import hardware
+from benchmarks.common import hardware, table_head, table_row
 from benchmarks.configs import SHAMPOO
 from benchmarks.harness import train_loop, warmup_cosine
 from benchmarks.tasks import language_model_parts, make_gpt2, text_tokens
@@ -191,13 +191,13 @@ def roots(args) -> None:
     print(f"{hardware()}; 32-bit Shampoo on the small GPT-2, lr {args.lr} constant after "
           f"the warm-up, refreshes from step {args.start} to {args.steps}, factors with "
           f"d² ≥ {quantization.MIN_QUANTIZED_ELEMENTS}, Björck steps {args.bjorck}\n")
-    print("| ε | 4-bit representation | root error median / max | I·G error median / max |")
-    print("|---|---|---|---|")
+    print(table_head("ε", "4-bit representation", "root error median / max",
+                     "I·G error median / max"))
     for (epsilon, rep), pairs in errors.items():
         r = [p[0] for p in pairs]
         dvals = [p[1] for p in pairs]
-        print(f"| {epsilon:g} | {rep} | {statistics.median(r):.3f} / {max(r):.3f} | "
-              f"{statistics.median(dvals):.3f} / {max(dvals):.3f} |")
+        print(table_row(f"{epsilon:g}", rep, f"{statistics.median(r):.3f} / {max(r):.3f}",
+                        f"{statistics.median(dvals):.3f} / {max(dvals):.3f}"))
 
 
 def train_one(name: str, lr: float, seed: int, steps: int, schedule: str) -> float:
@@ -233,16 +233,15 @@ def train(args) -> None:
                     times.setdefault((schedule, lr, name), []).append(seconds)
                     print(f"{schedule} lr {lr:g} {name} seed {seed}: {value:.4f} "
                           f"({seconds:.0f} s)", flush=True)
-    print("\n| schedule | lr | configuration | val loss | − 32-bit (same kind) | s per run |")
-    print("|---|---|---|---|---|---|")
+    print("\n" + table_head("schedule", "lr", "configuration", "val loss",
+                            "− 32-bit (same kind)", "s per run"))
     for (schedule, lr, name), values in results.items():
         reference = results.get((schedule, lr, reference_of(name)))
         mean = statistics.mean(values)
         spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
         delta = f"{mean - statistics.mean(reference):+.3f}" if reference else "–"
         seconds = statistics.mean(times[(schedule, lr, name)])
-        print(f"| {schedule} | {lr:g} | {name} | {mean:.3f}{spread} | {delta} | "
-              f"{seconds:.0f} |")
+        print(table_row(schedule, f"{lr:g}", name, f"{mean:.3f}{spread}", delta, f"{seconds:.0f}"))
 
 
 def main(argv=None) -> None:

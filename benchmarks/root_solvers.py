@@ -1,14 +1,11 @@
 """Inverse-root refresh on a model's factor matrices: ``eigh`` against Meta's coupled
 iterations (``root_inverse="coupled_newton"`` / ``"coupled_higher_order"``).
 
-The factors are those of ``DistributedShampoo(model.parameters())`` with
-``max_preconditioner_dim=1024`` (ResNet-50: 250 factor matrices), filled with
-gradient statistics ``F = Σ_t G_t G_tᵀ / T`` of ``--samples`` random gradients per block
-(the same for every solver), ε = 1e-12 as Shampoo's default. Each solver computes every
-factor's root ``(F + εI)^(-1/(2k))`` (``k`` the block's order) in the factors' dtype, the
-matrices of one size and root batched as the optimizer batches them; solvers are timed in
-interleaved rounds (medians). The accuracy column is the median over factors of
-``‖X − X_64‖_F / ‖X_64‖_F`` against a float64 eigh root.
+The factors are those of ``DistributedShampoo(model.parameters())`` with blocks of 1024,
+filled with ``F = Σ_t G_t G_tᵀ / T`` of ``--samples`` random gradients (the same for every
+solver), ε = 1e-12; each solver computes every root ``(F + εI)^(-1/(2k))`` batched as the
+optimizer batches them, in interleaved rounds (medians). Accuracy: the median over factors
+of ``‖X − X_64‖_F / ‖X_64‖_F`` against a float64 eigh root.
 
     python -m benchmarks.root_solvers --threads 2
     python -m benchmarks.root_solvers --device cuda --dtype float32
@@ -16,12 +13,19 @@ interleaved rounds (medians). The accuracy column is the median over factors of
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from benchmarks.common import MODELS, build_model, hardware, median
+from benchmarks.common import (
+    arguments,
+    build_model,
+    hardware,
+    median,
+    synchronize,
+    table_head,
+    table_row,
+)
 from hf_shampoo import DistributedShampoo, linalg, root_solvers
 
 EPSILON = 1e-12
@@ -65,17 +69,9 @@ SOLVERS = {
 }
 
 
-def synchronize(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser = arguments(__doc__, model="resnet50", rounds=3, threads=2)
     parser.add_argument("--samples", type=int, default=16, help="gradients per factor")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--solvers", nargs="*", default=list(SOLVERS), choices=list(SOLVERS))
@@ -102,12 +98,12 @@ def main(argv=None) -> None:
     print(f"{args.model}: {count} factor matrices in {len(stacks)} stacks "
           f"(largest {largest}), {args.dtype}, {hardware()}, {args.rounds} interleaved "
           f"rounds\n")
-    print("| root solver | refresh (s, median) | vs eigh | median relative error vs float64 eigh |")
-    print("|---|---|---|---|")
+    print(table_head("root solver", "refresh (s, median)", "vs eigh",
+                     "median relative error vs float64 eigh"))
     for name in args.solvers:
         t = median(times[name])
         ratio = f"{t / base:.2f}×" if base else "–"
-        print(f"| {name} | {t:.3f} | {ratio} | {errors[name]:.1e} |")
+        print(table_row(name, f"{t:.3f}", ratio, f"{errors[name]:.1e}"))
 
 
 if __name__ == "__main__":

@@ -1,40 +1,20 @@
 """Optimizer step times on a model's parameter shapes: hf_shampoo against Meta's
 ``distributed_shampoo`` (when importable) and against ``torch.optim.AdamW``.
 
-Setting: Adam grafting (beta2 0.999, eps 1e-8), betas (0.9, 0.999),
-epsilon 1e-12, max_preconditioner_dim 1024, float32, one process, fixed random gradients.
-To reach the Shampoo phase without running thousands of steps, the step counter is set
-just before ``precondition_frequency = start_preconditioning_step = F`` (both
-implementations), so the next step is the first refresh (``eigh`` of every factor);
-later steps are steady steps (factor update + preconditioning), and setting the counter
-to ``2F - 1`` gives a second refresh (warm-started QR with ``eigendecomposition="qr"``).
-Implementations are timed in interleaved rounds, so that a change in machine load
-hits all of them alike; medians are reported.
+Setting: Adam grafting (beta2 0.999, eps 1e-8), betas (0.9, 0.999), epsilon 1e-12,
+max_preconditioner_dim 1024, float32, one process, fixed random gradients. To reach the
+Shampoo phase without running thousands of steps, the step counter is set just before
+``precondition_frequency = start_preconditioning_step = F`` (both implementations), so the
+next step is the first refresh (``eigh`` of every factor); later steps are steady steps,
+and setting the counter to ``2F - 1`` gives a second refresh (warm-started QR with
+``eigendecomposition="qr"``). Implementations are timed in interleaved rounds, so that a
+change in machine load hits all of them alike; medians are reported. The figures and
+options are listed in benchmarks/README.md.
 
-Figures:
-- steady / refresh step, each implementation; AdamW (foreach and fused);
-- the refresh floor ``Σ eigh(factor) + steady`` (one ``torch.linalg.eigh`` per factor
-  matrix, as our goal defines it);
-- FLOPs of hf_shampoo's steady step (``torch.utils.flop_counter``) and its GFLOP/s against
-  the machine's fp32 matmul rate at the same shapes (the same matmuls replayed alone);
-- ``--staggered F``: per-step times on ``--model``'s shapes (fixed gradients, no counter
-  trick) with ``precondition_frequency = start_preconditioning_step = F``, for
-  ``refresh_schedule="all"`` and ``"staggered"``, over the window of F steps from step 2F
-  on, in which every block refreshes exactly once under either schedule: median, slowest
-  step and mean, and the mean against AdamW (fused) on the same shapes;
-- ``--real-run F``: per-step times of real ResNet-50 training runs on scikit-learn's
-  digits (no counter tricks: the factors drift as in training) for eigh with
-  ``refresh_schedule="all"`` and ``"staggered"`` (slowest step / median step) and for
-  warm-started QR with each ``--qr-tolerance`` (refresh times, share refreshed).
-
-``--device cuda``: parameters, gradients and optimizer state on the GPU; every step is
-timed with CUDA events recorded around it (the step's queued kernels included, the host
+``--device cuda``: every step is timed with CUDA events recorded around it (the host
 synchronised before each step so nothing earlier leaks in); the other figures synchronise
-before reading the clock. ``--model`` also takes ``gpt2-medium`` (355M) and ``gpt2-tiny``
-(the test suite's smoke run).
-
-Meta's implementation is never vendored: pass ``--meta-path`` (a checkout of
-facebookresearch/optimizers) or put it on PYTHONPATH.
+before reading the clock. Meta's implementation is never vendored: pass ``--meta-path`` (a
+checkout of facebookresearch/optimizers) or put it on PYTHONPATH.
 
     python -m benchmarks.step_time --meta-path ../optimizers --threads 2
     python -m benchmarks.step_time --device cuda --model gpt2-medium --meta-path .meta
@@ -43,29 +23,33 @@ facebookresearch/optimizers) or put it on PYTHONPATH.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
-import time
 
 import torch
 
 from benchmarks.common import (
-    MODELS,
     StaleCounter,
+    arguments,
     build_model,
     hardware,
+    load_average,
+    log,
+    markers,
     median,
+    table_head,
+    table_row,
     timed,
+    timed_once,
+    trainable,
     write_section,
 )
 from benchmarks.harness import train_loop
 from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg
 
 F = 100_000  # precondition_frequency = start_preconditioning_step for the counter trick
-MARK_BEGIN = "<!-- step_time.py:begin -->"
-MARK_END = "<!-- step_time.py:end -->"
+MARK_BEGIN, MARK_END = markers("step_time")
 
 
 # ----------------------------------------------------------------------------- runners
@@ -204,22 +188,6 @@ def square_matmul_rate(device: torch.device, size: int = 2048, repeats: int = 5)
     return 2 * size**3 / best / 1e9
 
 
-def timed_once(fn, device: torch.device | str = "cpu") -> float:
-    """Seconds of one call. On CUDA: events recorded around it on the current stream,
-    after a host synchronisation (earlier work is not counted), read once it is done."""
-    if torch.device(device).type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    torch.cuda.synchronize(device)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3
-
-
 def matmul_replay_seconds(opt: DistributedShampoo, repeats: int) -> float:
     """The steady step's matmuls alone (factor updates, preconditioning) on random data of
     the same shapes, through the same kernels: the machine's matmul time for this step."""
@@ -280,12 +248,9 @@ def real_run(frequency: int, steps: int, batch: int, device: torch.device | str 
 
 # ----------------------------------------------------------------------------- main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser = arguments(__doc__, model="resnet50", threads=2, rounds=2)
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda or cuda:N (timed with CUDA events there)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="refreshes per implementation")
     parser.add_argument("--steady", type=int, default=4, help="steady steps per round")
     parser.add_argument("--meta-path", default=None, help="checkout of facebookresearch/optimizers")
     parser.add_argument("--no-meta", action="store_true")
@@ -331,7 +296,7 @@ def main() -> None:
         lines += staggered_lines(args)
     if args.real_run:
         lines += real_run_lines(args)
-    lines.append(f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+    lines.append(load_average())
     text = "\n".join(lines)
     print(text)
     if args.write:
@@ -355,8 +320,7 @@ def params_and_grads(args) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``--model``'s parameters on ``--device`` and fixed gradients for them (drawn on the
     CPU: the same gradients on every device)."""
     torch.manual_seed(0)
-    model = build_model(args.model).to(args.device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable(build_model(args.model).to(args.device))
     g = torch.Generator().manual_seed(0)
     grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(args.device) for p in params]
     return params, grads
@@ -366,15 +330,14 @@ def fixed_gradient_lines(args) -> list[str]:
     """hf_shampoo (eigh, QR), Meta's implementation and AdamW on fixed gradients."""
     params, grads = params_and_grads(args)
 
-    def label(tolerance: float, method: str) -> str:
-        return f"qr, τ={tolerance:g}" + ("" if method == "householder" else f", {method}")
+    def qr_runners(name: str, **kw) -> list[Runner]:
+        return [ours(params, grads, f"{name}, qr, τ={tolerance:g}"
+                     + ("" if method == "householder" else f", {method}"),
+                     eigendecomposition="qr", eigenbasis_tolerance=tolerance,
+                     orthogonalization=method, **kw)
+                for method in args.orthogonalization for tolerance in args.qr_tolerance]
 
-    runners = [ours(params, grads)]
-    for method in args.orthogonalization:
-        for tolerance in args.qr_tolerance:
-            runners.append(ours(params, grads, f"hf_shampoo, {label(tolerance, method)}",
-                                eigendecomposition="qr", eigenbasis_tolerance=tolerance,
-                                orthogonalization=method))
+    runners = [ours(params, grads), *qr_runners("hf_shampoo")]
     if args.low_precision_roots:
         runners.append(ours(params, grads, "hf_shampoo, bfloat16 roots",
                             inv_factor_matrix_dtype=torch.bfloat16))
@@ -388,20 +351,12 @@ def fixed_gradient_lines(args) -> list[str]:
             # asks SOAP users for an explicit cadence; this times the steady step)
             runners.append(ours(params, grads, "hf_shampoo SOAP 4-bit, eigh",
                                 quantization="4bit", statistics_frequency=F, **soap))
-        for method in args.orthogonalization:
-            for tolerance in args.qr_tolerance:
-                runners.append(ours(params, grads, f"hf_shampoo SOAP, {label(tolerance, method)}",
-                                    eigendecomposition="qr", eigenbasis_tolerance=tolerance,
-                                    orthogonalization=method, **soap))
+        runners += qr_runners("hf_shampoo SOAP", **soap)
     if not args.no_meta:
-        for packing in (True, False):
-            runner = meta(params, grads, packing)
-            if runner is not None:
-                runners.append(runner)
+        metas = [meta(params, grads, True), meta(params, grads, False)]
         if args.low_precision_roots:
-            runner = meta(params, grads, False, torch.bfloat16)
-            if runner is not None:
-                runners.append(runner)
+            metas.append(meta(params, grads, False, torch.bfloat16))
+        runners += [runner for runner in metas if runner is not None]
     baselines = [adamw(params, grads, foreach=True), adamw(params, grads, fused=True)]
     for runner in runners + baselines:
         runner.step()  # allocates state (a grafting-only step)
@@ -415,7 +370,7 @@ def fixed_gradient_lines(args) -> list[str]:
         for _ in range(args.steady):
             for runner in runners + baselines:
                 runner.steady.append(runner.step())
-        print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
+        log(f"round {round_index + 1}/{args.rounds} done")
 
     main_runner = runners[0]
     mats = factor_matrices(main_runner.optimizer)
@@ -432,14 +387,12 @@ def fixed_gradient_lines(args) -> list[str]:
              f"{len(mats)} factor matrices)", "",
              f"Hardware: {hardware()}. Medians of {args.rounds * args.steady} steady steps and "
              f"{args.rounds} refreshes per implementation, interleaved.", "",
-             "| implementation | steady step s | refresh (eigh) s | 2nd refresh s |",
-             "|---|---|---|---|"]
+             table_head("implementation", "steady step s", "refresh (eigh) s", "2nd refresh s")]
     for runner in runners:
         second = median(runner.second_refresh) if runner.second_refresh else float("nan")
-        lines.append(f"| {runner.name} | {median(runner.steady):.3f} | "
-                     f"{runner.refresh[0]:.2f} | {second:.2f} |")
-    for runner in baselines:
-        lines.append(f"| {runner.name} | {median(runner.steady):.3f} | – | – |")
+        lines.append(table_row(runner.name, f"{median(runner.steady):.3f}",
+                               f"{runner.refresh[0]:.2f}", f"{second:.2f}"))
+    lines += [table_row(r.name, f"{median(r.steady):.3f}", "–", "–") for r in baselines]
     floor = floor_eigh + steady
     lines += ["", f"- refresh floor Σ eigh(factor) + steady: {floor_eigh:.2f} + {steady:.3f} "
               f"= {floor:.2f} s; hf_shampoo's eigh refresh (median of {args.rounds}) "
@@ -479,9 +432,8 @@ def orthogonalization_lines(args) -> list[str]:
     Householder; batched products for the others), ``--threads`` threads; SPD matrices of
     the factors' sizes with condition number 1e6."""
     torch.manual_seed(0)
-    model = build_model(args.model).to(args.device)
     sizes: dict[int, int] = {}
-    opt = DistributedShampoo([p for p in model.parameters() if p.requires_grad],
+    opt = DistributedShampoo(trainable(build_model(args.model).to(args.device)),
                              max_preconditioner_dim=1024, distributed="none")
     for row in opt.describe_blocks():
         for j in row["preconditioned_dims"]:
@@ -495,21 +447,19 @@ def orthogonalization_lines(args) -> list[str]:
     lines = ["", f"#### Orthogonalisation cost per factor size, {args.model} "
              f"({sum(sizes.values())} factor matrices)", "",
              f"Hardware: {hardware()}. Medians of 3, seconds for all matrices of a size.", "",
-             "| d | matrices | " + " | ".join(f"{m} s" for m in methods) + " |",
-             "|---|---|" + "---|" * len(methods)]
+             table_head("d", "matrices", *(f"{m} s" for m in methods))]
     totals = dict.fromkeys(methods, 0.0)
     for d in sorted(sizes, reverse=True):
         a = _with_condition(sizes[d], d, 1e6).to(args.device)
-        row = []
+        cells = []
         for name, fn in methods.items():
             fn(a)  # warm-up
             seconds = median(timed(lambda fn=fn, a=a: fn(a), 3, args.device))
             totals[name] += seconds
-            row.append(f"{seconds:.3f}")
-        lines.append(f"| {d} | {sizes[d]} | " + " | ".join(row) + " |")
-        print(lines[-1], file=sys.stderr)
-    lines.append("| all | " + str(sum(sizes.values())) + " | "
-                 + " | ".join(f"**{t:.2f}**" for t in totals.values()) + " |")
+            cells.append(f"{seconds:.3f}")
+        lines.append(table_row(d, sizes[d], *cells))
+        log(lines[-1])
+    lines.append(table_row("all", sum(sizes.values()), *(f"**{t:.2f}**" for t in totals.values())))
     return lines
 
 
@@ -527,8 +477,8 @@ def staggered_lines(args) -> list[str]:
              f"Hardware: {hardware()}. precondition_frequency = start_preconditioning_step = "
              f"{f}, fixed gradients; steps {2 * f}-{3 * f - 1} timed (every block refreshes "
              f"once in them under either schedule; eigh refreshes).", "",
-             "| schedule | median step s | slowest step s | slowest / median | mean step s "
-             "| mean / AdamW (fused) |", "|---|---|---|---|---|---|"]
+             table_head("schedule", "median step s", "slowest step s", "slowest / median",
+                        "mean step s", "mean / AdamW (fused)")]
     adam = adamw(params, grads, fused=True)
     adam.step()
     adam_mean = sum(adam.step() for _ in range(min(f, 20))) / min(f, 20)
@@ -537,9 +487,10 @@ def staggered_lines(args) -> list[str]:
                       refresh_schedule=schedule)
         times = [runner.step() for _ in range(3 * f - 1)][2 * f - 1:]
         mean = sum(times) / len(times)
-        lines.append(f"| {schedule} | {median(times):.4f} | {max(times):.4f} | "
-                     f"{max(times) / median(times):.1f} | {mean:.4f} | {mean / adam_mean:.2f}× |")
-        print(lines[-1], file=sys.stderr)
+        lines.append(table_row(schedule, f"{median(times):.4f}", f"{max(times):.4f}",
+                         f"{max(times) / median(times):.1f}", f"{mean:.4f}",
+                         f"{mean / adam_mean:.2f}×"))
+        log(lines[-1])
         del runner
     lines.append(f"| torch.optim.AdamW (fused) | – | – | – | {adam_mean:.4f} | 1.00× |")
     return lines
@@ -555,9 +506,8 @@ def real_run_lines(args) -> list[str]:
              f"excluded). Refreshes at t = {f} (eigh), {2 * f}, {3 * f} (warm-started QR in "
              f"the qr rows); with \"staggered\" each block refreshes on its own step. "
              f"Slowest / median over t ≥ {f}.", "",
-             "| configuration | median step s | slowest step s | slowest / median | "
-             f"refresh t={2 * f} s | refresh t={3 * f} s | refreshed share |",
-             "|---|---|---|---|---|---|---|"]
+             table_head("configuration", "median step s", "slowest step s", "slowest / median",
+                        f"refresh t={2 * f} s", f"refresh t={3 * f} s", "refreshed share")]
     configs = [("eigh, all", {}), ("eigh, staggered", {"refresh_schedule": "staggered"})]
     configs += [(f"qr τ={t:g}, all", {"eigendecomposition": "qr", "eigenbasis_tolerance": t})
                 for t in args.qr_tolerance]
@@ -565,10 +515,10 @@ def real_run_lines(args) -> list[str]:
         times, stale = real_run(f, steps, args.batch_size, args.device, **kw)
         window = times[f - 1:]
         share = "–" if stale != stale else f"{stale:.0%}"
-        lines.append(f"| {name} | {median(window):.3f} | {max(window):.3f} | "
-                     f"{max(window) / median(window):.2f} | {times[2 * f - 1]:.2f} | "
-                     f"{times[3 * f - 1]:.2f} | {share} |")
-        print(lines[-1], file=sys.stderr)
+        lines.append(table_row(name, f"{median(window):.3f}", f"{max(window):.3f}",
+                         f"{max(window) / median(window):.2f}", f"{times[2 * f - 1]:.2f}",
+                         f"{times[3 * f - 1]:.2f}", share))
+        log(lines[-1])
     return lines
 
 

@@ -85,6 +85,29 @@ def make_resnet(seed: int, classes: int = 10) -> nn.Module:
                   channels=(16, 32, 64, 128), stem_width=16)
 
 
+def classification_parts(x: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, yt: torch.Tensor,
+                         batch_size: int):
+    """``(batches, loss, evaluate)`` of an image classification task: random training
+    batches (fixed by the seed), the cross-entropy, test accuracy and loss in eval mode."""
+
+    def batches(seed: int, steps: int) -> list:
+        g = torch.Generator().manual_seed(seed + 1)
+        return [torch.randint(0, len(y), (batch_size,), generator=g) for _ in range(steps)]
+
+    def loss(model, index):
+        return nn.functional.cross_entropy(model(x[index]), y[index])
+
+    def evaluate(model) -> dict[str, float]:
+        model.eval()
+        with torch.no_grad():
+            logits = model(xt)
+        model.train()
+        return {"test acc": (logits.argmax(1) == yt).float().mean().item(),
+                "test loss": nn.functional.cross_entropy(logits, yt).item()}
+
+    return batches, loss, evaluate
+
+
 def make_digits_model(kind: str, seed: int) -> nn.Module:
     """The MLP or small CNN on flat 8×8 digits (``convergence.py``)."""
     torch.manual_seed(seed)
