@@ -18,17 +18,20 @@ from torch import Tensor
 GRAFTING_NORM_EPSILON = 1e-16
 
 #: blocks smaller than this (elements) are stacked in groups for the decay's addition; larger
-#: ones are added one by one straight from the parameters' views (``add_rows``)
-ROW_GROUP = 1 << 14
+#: ones are added one by one straight from the parameters' views (``add_rows``); on a GPU,
+#: where a kernel launch costs more than a small copy, groups are larger
+ROW_GROUP = {"cpu": 1 << 14}
+ROW_GROUP_ELSEWHERE = 1 << 20
 
 
 def row_groups(rows: Sequence[Tensor]):
     """``(start, stop)`` ranges of ``rows`` (one tensor per block of a stack): a large block
     alone, small ones together up to ``ROW_GROUP`` elements."""
+    limit = ROW_GROUP.get(rows[0].device.type, ROW_GROUP_ELSEWHERE) if rows else 0
     start = 0
     while start < len(rows):
         stop, size = start + 1, rows[start].numel()
-        while stop < len(rows) and size + rows[stop].numel() <= ROW_GROUP:
+        while stop < len(rows) and size + rows[stop].numel() <= limit:
             size += rows[stop].numel()
             stop += 1
         yield start, stop

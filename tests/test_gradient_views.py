@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from hf_shampoo import DistributedShampoo, stages
-from tests.helpers import assert_bitwise, join_gloo_world
+from tests.helpers import TEST_DEVICE, assert_bitwise, join_gloo_world
 
 MUON = dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.95**2,
             use_bias_correction=False, weight_decay=0.1,
@@ -39,22 +39,22 @@ def test_decay_from_views_equals_decay_from_a_stack(shapes):
     assert [i for a, b in groups for i in range(a, b)] == list(range(len(rows)))
 
 
-def _model(seed=0):
+def _model(seed=0, device="cpu"):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(96, 160, bias=False), nn.GELU(),
                          nn.Linear(160, 160, bias=False), nn.GELU(),
                          nn.Linear(160, 160, bias=False), nn.GELU(),
-                         nn.Linear(160, 10, bias=False))
+                         nn.Linear(160, 10, bias=False)).to(device)
 
 
-def _train(config, set_to_none, steps=6, unused_at=3):
+def _train(config, set_to_none, steps=6, unused_at=3, device="cpu"):
     """Trains on fixed batches; at step ``unused_at`` the third layer gets no gradient (its
     stack's other block does)."""
-    model = _model()
+    model = _model(device=device)
     opt = DistributedShampoo(model.parameters(), **config)
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
-        x = torch.randn(32, 96, generator=gen)
+        x = torch.randn(32, 96, generator=gen).to(device)
         opt.zero_grad(set_to_none=set_to_none)
         if step == unused_at:
             model[4].weight.grad = None
@@ -70,13 +70,14 @@ def _train(config, set_to_none, steps=6, unused_at=3):
 
 
 @pytest.mark.unit
+@pytest.mark.device
 @pytest.mark.parametrize("config", [MUON, SHAMPOO, dict(SHAMPOO, weight_decay_type="l2")],
                          ids=["muon", "shampoo", "shampoo_l2"])
 def test_kept_gradients_train_as_fresh_ones(config):
     """``zero_grad(set_to_none=False)``: autograd accumulates into the views, the step
     stacks nothing, and every number equals a run whose gradients are fresh each step."""
-    kept, opt = _train(config, set_to_none=False)
-    fresh, _ = _train(config, set_to_none=True)
+    kept, opt = _train(config, set_to_none=False, device=TEST_DEVICE)
+    fresh, _ = _train(config, set_to_none=True, device=TEST_DEVICE)
     assert_bitwise(list(kept.parameters()), list(fresh.parameters()))
     views = [p.grad._base is not None for p in kept.parameters()]
     # L2 decay writes into the stacked gradients: they stay the user's own tensors
