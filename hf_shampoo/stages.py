@@ -17,17 +17,17 @@ from torch import Tensor
 
 GRAFTING_NORM_EPSILON = 1e-16
 
-#: blocks smaller than this (elements) are stacked in groups for the decay's addition; larger
+#: elements up to which small blocks are stacked in groups for the decay's addition; larger
 #: ones are added one by one straight from the parameters' views (``add_rows``); on a GPU,
 #: where a kernel launch costs more than a small copy, groups are larger
-ROW_GROUP = {"cpu": 1 << 14}
-ROW_GROUP_ELSEWHERE = 1 << 20
+ROW_GROUP_CPU = 1 << 14
+ROW_GROUP_GPU = 1 << 20
 
 
 def row_groups(rows: Sequence[Tensor]):
     """``(start, stop)`` ranges of ``rows`` (one tensor per block of a stack): a large block
-    alone, small ones together up to ``ROW_GROUP`` elements."""
-    limit = ROW_GROUP.get(rows[0].device.type, ROW_GROUP_ELSEWHERE) if rows else 0
+    alone, small ones together up to ``ROW_GROUP_CPU`` / ``ROW_GROUP_GPU`` elements."""
+    limit = ROW_GROUP_CPU if rows and rows[0].device.type == "cpu" else ROW_GROUP_GPU
     start = 0
     while start < len(rows):
         stop, size = start + 1, rows[start].numel()

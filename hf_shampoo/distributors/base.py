@@ -79,8 +79,6 @@ class Distributor:
     is_sharded_state: bool = False
     #: prefix of this rank's state keys (``fsdp_mode="local"``: which shard its blocks cut)
     state_key_prefix: str = ""
-    #: whether ``stacked_grads`` may make gradients views of a stack's buffer
-    views_gradients: bool = True
 
     def global_rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and world size (0 and 1 in one process)."""
@@ -158,7 +156,7 @@ class Distributor:
         if all(in_place) and not writes:
             return buffer  # accumulated into the views: nothing to copy
         if any(in_place) and writes:  # the user's gradients must not change: a copy
-            return torch.stack([p.grad.reshape(stack.shape) for p in _params(stack)])
+            return _stacked(stack, active, grad_of)
         if not any(in_place):
             _stacked(stack, active, grad_of, buffer)
         else:  # some gradients were replaced since: copy only those
@@ -167,7 +165,7 @@ class Distributor:
                     row.copy_(piece)
         # gradients that are new tensors at every step (zero_grad(), the Trainer's) are
         # not made views again after two such steps in a row: nothing to gain there
-        viewed = (not writes and self.views_gradients and stack.view_misses < VIEW_MISSES
+        viewed = (not writes and stack.view_misses < VIEW_MISSES
                   and _view_gradients(stack, buffer, self.local, in_place))
         stack.grads_viewed = viewed or any(in_place)
         return buffer
@@ -266,10 +264,6 @@ def stack_buffer(stack, name: str) -> Tensor:
         buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
         setattr(stack, name, buffer)
     return buffer
-
-
-def _params(stack) -> list[Tensor]:
-    return [block.param for block in stack.members]
 
 
 def _viewing_rows(stack, buffer: Tensor) -> list[bool]:
