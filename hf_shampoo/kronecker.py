@@ -17,6 +17,29 @@ from torch import Tensor
 from .linalg import syrk
 
 
+def batched_matvec(matrices: Tensor, vectors: Tensor, out: Tensor | None = None) -> Tensor:
+    """``(n, d, d) @ (n, d)`` per block, as row vectors times transposed matrices.
+
+    Bit-for-bit the same for a block whatever else is in its stack: ``bmm`` of a matrix
+    and a one-column right side is not (on CPU, a stack of one and a stack of several round
+    differently from ``d = 31`` on), and the lossless distributors give an owner a stack of
+    only its own blocks, where one process stacks all of them (docs/design.md §8). The row
+    form ``xᵀ Mᵀ`` is computed alike for any stack size.
+    """
+    rows = vectors.unsqueeze(-2)
+    if out is None:
+        return torch.bmm(rows, matrices.mT).squeeze(-2)
+    return torch.bmm(rows, matrices.mT, out=out.unsqueeze(-2)).squeeze(-2)
+
+
+def _bmm(left: Tensor, right: Tensor, out: Tensor | None = None) -> Tensor:
+    """``torch.bmm``, through ``batched_matvec`` where the right side has one column."""
+    if right.shape[-1] != 1:
+        return torch.bmm(left, right, out=out)
+    column = batched_matvec(left, right.squeeze(-1), None if out is None else out.squeeze(-1))
+    return column.unsqueeze(-1)
+
+
 def unfold(stack: Tensor, dim: int, scratch: Tensor | None = None) -> Tensor:
     """``(n, d_dim, rest)``: block dim ``dim`` (0-based, within the block) to the front.
 
@@ -72,11 +95,11 @@ def mode_product(stack: Tensor, matrix: Tensor, dim: int, transpose: bool = Fals
     """
     m = matrix.mT if transpose else matrix
     if stack.dim() == 2:
-        return torch.bmm(m, stack.unsqueeze(-1)).squeeze(-1)
+        return batched_matvec(m, stack)
     if stack.dim() == 3:
-        return torch.bmm(m, stack) if dim == 0 else torch.bmm(stack, m.mT)
+        return _bmm(m, stack) if dim == 0 else torch.bmm(stack, m.mT)
     moved = stack.movedim(dim + 1, 1)
-    product = torch.bmm(m, moved.reshape(moved.shape[0], moved.shape[1], -1))
+    product = _bmm(m, moved.reshape(moved.shape[0], moved.shape[1], -1))
     return product.reshape(moved.shape).movedim(1, dim + 1)
 
 
@@ -102,14 +125,14 @@ def multi_mode_product(
         return out.copy_(stack)
     mats = [None if m is None else (m.mT if transpose else m) for m in matrices]
     if stack.dim() == 2:  # 1-D blocks: matrix-vector products
-        return torch.bmm(mats[0], stack.unsqueeze(-1), out=out.unsqueeze(-1)).squeeze(-1)
+        return batched_matvec(mats[0], stack, out=out)
     if stack.dim() == 3:  # 2-D blocks: M_1 X M_2ᵀ
         left, right = mats
         if left is None:
             return torch.bmm(stack, right.mT, out=out)
         if right is None:
-            return torch.bmm(left, stack, out=out)
-        torch.bmm(left, stack, out=scratch)
+            return _bmm(left, stack, out=out)
+        _bmm(left, stack, out=scratch)
         return torch.bmm(scratch, right.mT, out=out)
     n, k = stack.shape[0], stack.dim() - 1
     current, shape = stack, tuple(stack.shape[1:])

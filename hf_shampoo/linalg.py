@@ -252,6 +252,14 @@ def syrk(out: Tensor, left: Tensor, beta: float = 0.0, alpha: float = 1.0) -> Te
     ``out`` are ignored (NaNs included).
     """
     d, k = left.shape[-2], left.shape[-1]
+    if k == 1:
+        # outer products elementwise: a one-column ``baddbmm`` rounds differently in a
+        # stack of one than in a larger stack on CPU (from d = 31 on), and the lossless
+        # distributors stack only an owner's own blocks (docs/design.md §8)
+        if beta == 0.0:
+            torch.mul(left, left.mT, out=out)
+            return out if alpha == 1.0 else out.mul_(alpha)
+        return out.mul_(beta).addcmul_(left, left.mT, value=alpha)
     if d < SYRK_MIN_DIM or k < SYRK_MIN_INNER:
         return out.baddbmm_(left, left.mT, beta=beta, alpha=alpha)
     h = d // 2
