@@ -1,0 +1,180 @@
+"""Generated cases for the layout tests (tests/test_generated_layouts.py and
+tests/test_generated_dp_layouts.py): seeded, reproducible draws of optimizer settings, parameter
+shapes, steps without gradients, and (for the DTensor tests) meshes and placements.
+
+Everything here is pure Python over ``random.Random(seed)``: a case is a plain dict that prints
+as the code that rebuilds it, so that a failure names its seed and its case. No process group
+is needed to draw; the workers build the meshes and tensors from the dicts.
+
+Seeds: ``HF_SHAMPOO_LAYOUT_SEED`` (default 0) is the fixed base seed CI always runs; each test
+also draws ``HF_SHAMPOO_LAYOUT_FRESH`` (default 1) fresh seeds from the clock, printed with the
+case on failure, so every CI run looks at new cases too. ``HF_SHAMPOO_LAYOUT_CASES`` scales the
+number of cases (``make fuzz`` raises it and the number of fresh seeds).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+#: the kinds and options that claim exactness under every distributor, with the keywords
+#: each needs; ``draw_config`` adds the shared random ones (block size, cadence, decay)
+KINDS: dict[str, dict[str, Any]] = {
+    "shampoo": dict(grafting="adam"),
+    "shampoo_rmsprop_nesterov": dict(grafting="rmsprop", momentum=0.9, nesterov=True),
+    "shampoo_adagrad_beta3": dict(grafting="adagrad", beta3=0.95),
+    "soap": dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99), epsilon=1e-8),
+    "soap_qr": dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99), epsilon=1e-8,
+                    eigendecomposition="qr", eigenbasis_tolerance=0.05),
+    "kl_shampoo": dict(preconditioner="kl_shampoo", grafting="adam"),
+    "eigendecomposed_shampoo": dict(preconditioner="eigendecomposed_shampoo", grafting="adam",
+                                    epsilon=1e-6, eigenbasis_tolerance=0.1),
+    "eigendecomposed_kl_qr": dict(preconditioner="eigendecomposed_kl_shampoo", grafting="adam",
+                                  epsilon=1e-6, eigendecomposition="qr", qr_max_iterations=2,
+                                  eigenbasis_tolerance=0.05),
+    "muon": dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.9025,
+                 use_bias_correction=False, spectral_lr_adjustment="match_rms_adamw",
+                 vectors=dict(preconditioner="diagonal", grafting="adam")),
+    "sign_descent": dict(preconditioner="sign_descent", sign_scale="l1", momentum=0.5),
+    "diagonal": dict(preconditioner="diagonal", grafting="adam"),
+    "diagonal_long_side": dict(grafting="adam", diagonal_aspect=2.0),
+    "shampoo_4bit": dict(grafting="adam", quantization="4bit", statistics_frequency=1),
+    "soap_4bit": dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99), epsilon=1e-8,
+                      eigendecomposition="qr", quantization="4bit", statistics_frequency=1,
+                      refresh_schedule="staggered"),
+    "gpa": dict(grafting="adam", iterate_averaging="gpa"),
+    "schedule_free_soap": dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99),
+                               epsilon=1e-8, iterate_averaging="schedule_free"),
+    "riemannian_lora": dict(preconditioner="riemannian_lora", grafting="adam",
+                            vectors=dict(preconditioner="diagonal", grafting="adam")),
+    "staggered_higher_order": dict(grafting="adam", refresh_schedule="staggered",
+                                   epsilon=1e-6, root_inverse="coupled_higher_order",
+                                   root_rel_epsilon=1e-3),
+    "compiled": dict(grafting="adam", momentum=0.5, compile={"backend": "aot_eager"}),
+}
+#: kinds drawn rarely (each costs seconds per rank: a compile)
+RARE = {"compiled": 0.1}
+
+
+def base_seed() -> int:
+    return int(os.environ.get("HF_SHAMPOO_LAYOUT_SEED", "0"))
+
+
+def seeds() -> list[int]:
+    """The fixed base seed, then ``HF_SHAMPOO_LAYOUT_FRESH`` seeds from the clock."""
+    fresh = int(os.environ.get("HF_SHAMPOO_LAYOUT_FRESH", "1"))
+    clock = random.Random(time.time_ns())
+    return [base_seed()] + [clock.randrange(1, 2**31) for _ in range(fresh)]
+
+
+def scaled(count: int) -> int:
+    """``count`` cases times ``HF_SHAMPOO_LAYOUT_CASES`` / 1 (``make fuzz`` raises it)."""
+    return max(1, round(count * float(os.environ.get("HF_SHAMPOO_LAYOUT_CASES", "1"))))
+
+
+def draw_kind(rng: random.Random, exclude: tuple[str, ...] = ()) -> str:
+    names = [k for k in KINDS if k not in exclude]
+    while True:
+        name = rng.choice(names)
+        if rng.random() < RARE.get(name, 1.0):
+            return name
+
+
+def draw_config(rng: random.Random, kind: str | None = None,
+                exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One optimizer configuration: a kind with its keywords, random block size, cadence,
+    start step and decay, and the steps after which ``eval()`` is called (iterate
+    averaging). ``kind`` and the random keywords are in the dict (``"kind"``)."""
+    kind = kind or draw_kind(rng, exclude)
+    config: dict[str, Any] = dict(KINDS[kind])
+    config["kind"] = kind
+    config["lr"] = rng.choice([0.01, 0.03])
+    config["max_preconditioner_dim"] = rng.choice([4, 8, 16, 32, 64])
+    if kind not in ("muon", "sign_descent", "diagonal"):
+        frequency = config["precondition_frequency"] = rng.choice([1, 2, 3])
+        config["start_preconditioning_step"] = rng.choice([frequency, frequency + 1])
+        if config.get("refresh_schedule") == "staggered" or kind.startswith("shampoo_4bit"):
+            config.pop("start_preconditioning_step")  # staggered: its own start per block
+    if rng.random() < 0.5:
+        config["weight_decay"] = rng.choice([0.01, 0.05])
+        types = ["decoupled", "l2", "corrected"]
+        if kind in ("muon", "riemannian_lora") or "iterate_averaging" in config:
+            types = ["decoupled"]
+        config["weight_decay_type"] = rng.choice(types)
+    if "iterate_averaging" in config:
+        config["eval_after"] = tuple(sorted(rng.sample(range(2, 7), 2)))
+    return config
+
+
+def optimizer_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """The keywords for ``DistributedShampoo`` (without the generator's own entries)."""
+    return {k: v for k, v in config.items() if k not in ("kind", "eval_after", "vectors")}
+
+
+SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 33, 40]
+
+
+def draw_shape(rng: random.Random, max_numel: int = 1536) -> tuple[int, ...]:
+    """1-D to 4-D, sizes that rarely divide a mesh, size-1 dims, conv kernels; vectors up
+    to 70 long (one-column products round differently from 31 on)."""
+    order = rng.choices([1, 2, 3, 4], weights=[3, 4, 1, 2])[0]
+    if order == 1:
+        return (rng.choice([1, 3, 7, 16, 17, 32, 33, 48, 70]),)
+    if order == 4 and rng.random() < 0.7:  # a conv kernel
+        return (rng.choice([4, 6, 8, 12, 16]), rng.choice([1, 3, 4, 8]), *(rng.choice([(1, 1),
+                                                                                 (3, 3)])))
+    while True:
+        shape = tuple(rng.choice(SIZES) for _ in range(order))
+        if math.prod(shape) <= max_numel:
+            return shape
+
+
+def draw_no_grad(rng: random.Random, count: int, steps: int) -> dict[int, tuple[int, ...]]:
+    """Parameters that get no gradient at some steps (never at the first)."""
+    out = {}
+    for index in range(count):
+        if rng.random() < 0.25:
+            out[index] = tuple(sorted(rng.sample(range(2, steps + 1), rng.choice([1, 2]))))
+    return out
+
+
+def lora_pair(rng: random.Random, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    """peft's names and shapes of one LoRA adapter: ``lora_A`` ``(r, in)``, ``lora_B``
+    ``(out, r)``."""
+    r = rng.choice([2, 3, 4])
+    return [(f"{prefix}.lora_A.default.weight", (r, rng.choice([8, 12, 17]))),
+            (f"{prefix}.lora_B.default.weight", (rng.choice([8, 16, 33]), r))]
+
+
+def full_params(shapes, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def full_grads(shapes, seed: int, step: int, no_grad: dict[int, tuple[int, ...]]
+               ) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed * 1009 + step)
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    return [None if step in no_grad.get(i, ()) else grad for i, grad in enumerate(grads)]
+
+
+def param_groups(params, names: list[str], config: dict[str, Any]) -> list[dict]:
+    """The groups for ``config``: one group of ``(name, parameter)`` pairs, or with
+    ``vectors`` (the Muon recipe) matrices in one group and vectors in another."""
+    named = list(zip(names, params))
+    vectors = config.get("vectors")
+    if vectors is None:
+        return [{"params": named}]
+    groups = [{"params": [(n, p) for n, p in named if p.dim() >= 2]},
+              {"params": [(n, p) for n, p in named if p.dim() < 2], **vectors}]
+    return [g for g in groups if g["params"]]
+
+
+def describe(case: dict[str, Any]) -> str:
+    """The case as text (seed, layout, settings): what a failure prints."""
+    return "\n".join(f"  {k}: {v!r}" for k, v in case.items())
