@@ -178,3 +178,151 @@ def param_groups(params, names: list[str], config: dict[str, Any]) -> list[dict]
 def describe(case: dict[str, Any]) -> str:
     """The case as text (seed, layout, settings): what a failure prints."""
     return "\n".join(f"  {k}: {v!r}" for k, v in case.items())
+
+
+# ----------------------------------------------------------------- DTensor layouts
+#: mesh dim names drawn from (as torch's and Accelerate's meshes name them)
+DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def draw_mesh(rng: random.Random, world: int) -> dict[str, Any]:
+    """A 1-D, 2-D or 3-D mesh over ``world`` ranks (size-1 dims included), maybe with two
+    adjacent dims flattened into one (Accelerate's ``dp_shard_cp``)."""
+    ndim = rng.choice([1, 2, 2, 3])
+    sizes = [1] * ndim
+    remaining = world
+    while remaining > 1:  # factors of 2 to random dims
+        sizes[rng.randrange(ndim)] *= 2
+        remaining //= 2
+    names = tuple(sorted(rng.sample(DIM_NAMES, ndim), key=DIM_NAMES.index))
+    flatten = None
+    if ndim >= 2 and rng.random() < 0.3:
+        start = rng.randrange(ndim - 1)
+        flatten = names[start:start + 2]
+    return {"shape": tuple(sizes), "names": names, "flatten": flatten}
+
+
+def sub_meshes(mesh: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The dims a parameter may live on: the whole mesh, any ordered subset of its dims,
+    the flattened dim (alone or with the others)."""
+    names = mesh["names"]
+    out = [names]
+    for size in range(1, len(names)):
+        out += [tuple(names[i] for i in range(len(names)) if mask >> i & 1)
+                for mask in range(1, 2 ** len(names)) if bin(mask).count("1") == size]
+    if mesh["flatten"] is not None:
+        flat = "_".join(mesh["flatten"])
+        rest = tuple(n for n in names if n not in mesh["flatten"])
+        out += [(flat,), *[(flat, n) if names.index(n) > names.index(mesh["flatten"][0])
+                           else (n, flat) for n in rest]]
+    return out
+
+
+def dim_size(mesh: dict[str, Any], name: str) -> int:
+    if name in mesh["names"]:
+        return mesh["shape"][mesh["names"].index(name)]
+    return math.prod(dim_size(mesh, n) for n in mesh["flatten"])
+
+
+def draw_placements(rng: random.Random, mesh: dict[str, Any], dims: tuple[str, ...],
+                    order: int) -> list[tuple]:
+    """Placements on the sub-mesh ``dims`` of a tensor of ``order`` dims: ``("R",)``,
+    ``("S", d)`` (the same tensor dim may be sharded on several mesh dims), and
+    ``("SS", d, split_factor)``, FSDP2's strided shard of a dim that later mesh dims shard
+    too (the split factor is their product)."""
+    placements: list[tuple] = [("R",) if rng.random() < 0.3 else ("S", rng.randrange(order))
+                               for _ in dims]
+    for i, placement in enumerate(placements):
+        if placement[0] != "S" or rng.random() < 0.5:
+            continue
+        later = [dim_size(mesh, dims[j]) for j in range(i + 1, len(dims))
+                 if placements[j] == placement]
+        if later:
+            placements[i] = ("SS", placement[1], math.prod(later))
+    return placements
+
+
+def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str, Any]:
+    """One DTensor case: a mesh, 2 to 6 parameters each a plain tensor or a DTensor on a
+    drawn sub-mesh with drawn placements (or, with ``modules``, a small model placed by
+    ``parallelize_module`` and ``fully_shard``), a configuration, steps without
+    gradients, and for some cases a DCP save at step ``resume_at`` resumed under a second
+    drawn layout of the same parameters."""
+    rng = random.Random(seed)
+    # peft's adapter pairs are drawn as synthetic parameters (the model has none)
+    config = draw_config(rng, exclude=("riemannian_lora",) if modules else ())
+    steps = rng.choice([4, 5, 6])
+    case: dict[str, Any] = {"seed": seed, "world": world, "kind": config["kind"],
+                            "steps": steps}
+    if modules:
+        case.update(draw_model(rng, world))
+        shapes = None
+    else:
+        shapes = [draw_shape(rng) for _ in range(rng.randint(2, 5))]
+        names = [f"p{i}" for i in range(len(shapes))]
+        if config["kind"] == "riemannian_lora":
+            for name, shape in lora_pair(rng, "block"):
+                names.append(name)
+                shapes.append(shape)
+        case["names"], case["shapes"] = names, shapes
+        case["layout"] = draw_layout(rng, world, shapes)
+        if rng.random() < 0.4:
+            case["resume_at"] = rng.randint(2, steps - 1)
+            case["resume_layout"] = draw_layout(rng, world, shapes)
+    count = len(case["shapes"]) if shapes is not None else case["count"]
+    case["no_grad"] = draw_no_grad(rng, count, steps)
+    case["config"] = config
+    return case
+
+
+def draw_layout(rng: random.Random, world: int, shapes) -> dict[str, Any]:
+    mesh = draw_mesh(rng, world)
+    options = sub_meshes(mesh)
+    where = []
+    for shape in shapes:
+        if rng.random() < 0.15:
+            where.append(None)  # a plain tensor beside the DTensors
+            continue
+        dims = rng.choice(options)
+        where.append((dims, draw_placements(rng, mesh, dims, len(shape))))
+    return {"mesh": mesh, "where": where}
+
+
+def draw_model(rng: random.Random, world: int) -> dict[str, Any]:
+    """A small model's description: blocks of embeddings (sharded by vocabulary or by
+    features), colwise / rowwise Linear layers with or without bias, norms (maybe
+    sequence parallel), a fused experts' weight (expert parallel on the ``tp`` ranks);
+    ``tp`` and data-parallel sizes, ``fully_shard`` or HSDP over the data-parallel dims."""
+    tp = rng.choice([d for d in (1, 2, 4) if world % d == 0 and d <= world])
+    dp = world // tp
+    replicate = rng.choice([d for d in (1, 2) if dp % d == 0]) if dp > 1 else 1
+    width = rng.choice([8, 12, 16])
+    hidden = rng.choice([8, 16, 24, 33])
+    layers = []
+    if rng.random() < 0.6:
+        layers.append(("embedding", rng.choice([17, 32, 40]), rng.choice(["colwise",
+                                                                           "rowwise"])))
+    for _ in range(rng.randint(1, 2)):
+        layers.append(("mlp", hidden, rng.random() < 0.7, rng.random() < 0.5))
+        if rng.random() < 0.5:
+            layers.append(("norm", rng.choice(["layer", "rms"]), rng.random() < 0.5))
+    if rng.random() < 0.4:
+        layers.append(("experts", rng.choice([2, 4]), hidden))
+    layers.append(("head", rng.choice([8, 17]), rng.random() < 0.5))
+    return {"model": {"tp": tp, "dp_replicate": replicate, "dp_shard": dp // replicate,
+                      "width": width, "layers": layers, "shard_blocks": rng.random() < 0.5},
+            "count": model_param_count(layers)}
+
+
+def model_param_count(layers) -> int:
+    count = 0
+    for layer in layers:
+        if layer[0] == "embedding" or layer[0] == "experts":
+            count += 1
+        elif layer[0] == "mlp":
+            count += 4 if layer[2] else 2
+        elif layer[0] == "norm":
+            count += 2 if layer[1] == "layer" else 1
+        elif layer[0] == "head":
+            count += 2 if layer[2] else 1
+    return count

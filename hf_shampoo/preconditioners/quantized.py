@@ -202,6 +202,29 @@ class QuantizedFactors:
         return (eig.eigenvalues, eig.eigenvectors, torch.tensor(eig.ok, dtype=torch.bool),
                 None)
 
+    def _decompose(self, state: dict, j: int, d: int, index: Tensor, factor: Tensor,
+                   group: dict, fresh: bool, descending: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``(eigenvalues, eigenvectors, ok, kept)`` of the sampled factors of the rows
+        ``index``: by ``eigh`` for first decompositions (``fresh``) or with
+        ``eigendecomposition="eigh"``, else by QR iterations from the stored bases."""
+        if fresh or group["eigendecomposition"] == "eigh":
+            values, vectors, ok, kept = self.eigh_refresh(state, j, d, index, factor, group,
+                                                          fresh)
+            if descending:
+                values, vectors = values.flip(-1), vectors.flip(-1)
+            return values, vectors, ok, kept
+        start = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
+        if descending:
+            vectors, values, _ = eigenbasis.qr_iteration(
+                factor, start, group["qr_max_iterations"], method=group["orthogonalization"])
+        else:
+            vectors, values = eigenbasis.qr_algorithm_direct(
+                factor, start, group["qr_max_iterations"], self.qr_tolerance(group),
+                group["orthogonalization"])
+        ok = (linalg.finite_rows(vectors) & linalg.finite_rows(values)).cpu()
+        return values, vectors, ok, None
+
     def refresh_quantized(self, stack, job, rows: list[int],
                           descending: bool) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """New eigendecompositions of the quantised factors of ``rows``: eigenvalues and
@@ -213,27 +236,31 @@ class QuantizedFactors:
         sampled = job.cache.pop(("sampled", tuple(rows)), None)
         if sampled is None:
             sampled = self.sampled_factors(stack, job, rows)
-        # eigh for a block's first decomposition (no eigenvectors to start QR from)
-        fresh = any(self.previous_sample(group, self.own_step(job, r)) == 0 for r in rows)
+        # eigh for a block's first decomposition (no eigenvectors to start QR from), decided
+        # row by row: which other blocks share a stack must not change a block's numbers
+        # (an owner stacks only its own blocks, docs/design.md §8)
+        fresh = torch.tensor([self.previous_sample(group, self.own_step(job, r)) == 0
+                              for r in rows], dtype=torch.bool)
         for j, factor in sampled.items():
             d = stack.shape[j]
-            kept = None  # rows whose stored basis stays (the criterion held)
-            if fresh or group["eigendecomposition"] == "eigh":
-                values, vectors, ok, kept = self.eigh_refresh(state, j, d, index, factor,
-                                                              group, fresh)
-                if descending:
-                    values, vectors = values.flip(-1), vectors.flip(-1)
-            else:
-                start = self.eigenvectors(state, j, d, index, REBUILD_BJORCK_STEPS)
-                if descending:
-                    vectors, values, _ = eigenbasis.qr_iteration(
-                        factor, start, group["qr_max_iterations"],
-                        method=group["orthogonalization"])
-                else:
-                    vectors, values = eigenbasis.qr_algorithm_direct(
-                        factor, start, group["qr_max_iterations"], self.qr_tolerance(group),
-                        group["orthogonalization"])
-                ok = (linalg.finite_rows(vectors) & linalg.finite_rows(values)).cpu()
+            parts = [(mask, bool(first)) for mask, first in ((fresh, True), (~fresh, False))
+                     if bool(mask.any())]
+            if len(parts) == 1:
+                values, vectors, ok, kept = self._decompose(
+                    state, j, d, index, factor, group, parts[0][1], descending)
+            else:  # fresh and warm rows: each their own way, put back in row order
+                values = factor.new_empty(factor.shape[:-1])
+                vectors = torch.empty_like(factor)
+                ok = torch.zeros(len(rows), dtype=torch.bool)
+                kept = torch.zeros(len(rows), dtype=torch.bool)
+                for mask, first in parts:
+                    at = mask.nonzero().flatten()
+                    on = at.to(index.device)
+                    part = self._decompose(state, j, d, index[on], factor[on], group, first,
+                                           descending)
+                    values[on], vectors[on], ok[at] = part[0], part[1], part[2]
+                    if part[3] is not None:
+                        kept[at] = part[3].cpu()
             done = ok.nonzero().flatten().to(index.device)
             if len(done) > 0:
                 state[f"factor_eigenvalues_{j}"][index[done]] = values[done].float()

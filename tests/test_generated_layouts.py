@@ -1,0 +1,118 @@
+"""Bit-identical to one process for every DTensor layout: drawn cases, not picked ones
+(docs/parallelism.md, docs/sharded.md).
+
+Each case (tests/layout_cases.py, run by tests/generated_layout_worker.py) draws a mesh of
+2, 4 or 8 gloo ranks (1-D to 3-D, size-1 dims, a flattened dim, sub-meshes), parameters of
+1 to 4 dims placed by ``distribute_tensor`` with any mix of ``Shard(d)`` (the same dim on
+several mesh dims, uneven and empty shards), ``_StridedShard`` and ``Replicate()``, plain
+tensors beside them, or a small model placed by ``parallelize_module`` (colwise / rowwise
+Linear with and without bias, embeddings sharded either way, sequence-parallel norms,
+expert-parallel fused experts) and ``fully_shard`` / HSDP; a kind with random block size,
+cadence, start step and decay; steps where some parameters get no gradient. Every case
+must end with every parameter ``torch.equal`` to one process on every rank, the ranks'
+state adding up to one process's, and, where the case saves through
+``torch.distributed.checkpoint`` mid-run and resumes under a second drawn layout, the same.
+
+CI runs the fixed seed (``HF_SHAMPOO_LAYOUT_SEED``, default 0) and one fresh seed a run;
+``make fuzz`` runs many more. A failure prints the seed, the case and the command that
+reruns it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests import layout_cases as lc
+from tests.generated_layout_worker import run_world
+from tests.helpers import one_thread_per_process
+
+pytestmark = pytest.mark.distributed
+
+SEEDS = lc.seeds()
+#: world size → (synthetic cases, model cases) per seed, before ``HF_SHAMPOO_LAYOUT_CASES``
+BUDGET = {2: (6, 2), 4: (5, 2), 8: (2, 1)}
+#: seconds one world's spawn may take before its unfinished cases fail
+DEADLINE = 600
+
+
+def case_seed(seed: int, world: int, index: int) -> int:
+    return seed * 1_000_003 + world * 1_000 + index
+
+
+def cases_for(world: int) -> list[dict]:
+    synthetic, models = BUDGET[world]
+    out = []
+    for seed in SEEDS:
+        count = lc.scaled(synthetic)
+        out += [lc.draw_dtensor_case(case_seed(seed, world, i), world) | {"base_seed": seed}
+                for i in range(count)]
+        out += [lc.draw_dtensor_case(case_seed(seed, world, count + i), world, modules=True)
+                | {"base_seed": seed} for i in range(lc.scaled(models))]
+    return out
+
+
+CASES = {world: cases_for(world) for world in BUDGET}
+
+
+def spawn(world: int, cases: list[dict]) -> list[list[dict]]:
+    """Every rank's results, case by case (a rank that stopped early has fewer)."""
+    root = tempfile.mkdtemp(prefix=f"hf_shampoo_layouts{world}_")
+    with one_thread_per_process():
+        context = mp.spawn(run_world, args=(world, os.path.join(root, "init"), root, cases),
+                           nprocs=world, join=False)
+        deadline = time.monotonic() + DEADLINE
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                break
+    out = []
+    for rank in range(world):
+        path = os.path.join(root, f"rank{rank}.pt")
+        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {}
+
+
+def world_results(results, world):
+    if world not in results:
+        results[world] = spawn(world, CASES[world])
+    return results[world]
+
+
+PARAMS = [pytest.param(world, index, id=f"world{world}-{case['kind']}-"
+                       f"{'model' if 'model' in case else 'tensors'}-seed{case['base_seed']}-"
+                       f"{index}")
+          for world, cases in CASES.items() for index, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("world,index", PARAMS)
+def test_drawn_layout_is_bit_identical_to_one_process(results, world, index):
+    case = CASES[world][index]
+    ranks = world_results(results, world)
+    rerun = (f"HF_SHAMPOO_LAYOUT_SEED={case['base_seed']} HF_SHAMPOO_LAYOUT_FRESH=0 "
+             f"python -m pytest tests/test_generated_layouts.py -k 'world{world}-' ")
+    about = f"case {index} of world {world}:\n{lc.describe(case)}\nrerun: {rerun}"
+    got = [r[index] if index < len(r) else None for r in ranks]
+    errors = [(rank, g["error"]) for rank, g in enumerate(got) if g is not None and "error" in g]
+    assert not errors, f"{about}\nrank {errors[0][0]} raised:\n{errors[0][1]}"
+    assert all(g is not None for g in got), (
+        f"{about}\nranks {[r for r, g in enumerate(got) if g is None]} did not finish it "
+        "(an earlier case failed, or a collective timed out)")
+    if any("invalid" in g for g in got):
+        pytest.skip(f"{got[0].get('invalid')}")
+    for rank, g in enumerate(got):
+        assert not g["diffs"], f"{about}\nrank {rank}: not bit-identical: {g['diffs']}"
+    assert sum(g["state"] for g in got) == got[0]["reference_state"], (
+        f"{about}\nstate per rank {[g['state'] for g in got]} does not add up to one "
+        f"process's {got[0]['reference_state']}")
