@@ -211,44 +211,80 @@ def build_model(desc: dict) -> tuple[nn.Sequential, dict]:
     return nn.Sequential(*modules), plan
 
 
-def run_model(case: dict, work: str) -> dict:
+def placed_model(desc: dict, split: dict, values: list[torch.Tensor]) -> nn.Sequential:
+    """The model of ``desc`` holding ``values``, placed by ``split``: ``parallelize_module``
+    on ``tp``, the experts' weight expert parallel on the same ranks, then ``fully_shard``
+    (per block first with ``shard_blocks``) on ``dp_shard``, or HSDP over ``dp_replicate``
+    × ``dp_shard``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    desc = case["model"]
-    torch.manual_seed(case["seed"])
     model, plan = build_model(desc)
-    names = [n for n, _ in model.named_parameters()]
-    initial = [p.detach().clone() for p in model.parameters()]
-    expected, expected_state = one_process(case, initial, names)
-    mesh = init_device_mesh("cpu", (desc["dp_replicate"], desc["dp_shard"], desc["tp"]),
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), values):
+            p.copy_(value)
+    mesh = init_device_mesh("cpu", (split["dp_replicate"], split["dp_shard"], split["tp"]),
                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     parallelize_module(model, mesh["tp"], plan)
     for module in model:
         if isinstance(module, Experts):  # expert parallel over the tensor-parallel ranks
             module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh["tp"],
-                                                           [Shard(0)]))
-    dp = mesh[("dp_replicate", "dp_shard")] if desc["dp_replicate"] > 1 else mesh["dp_shard"]
-    if desc["shard_blocks"]:
+                                                           [Shard(0)], src_data_rank=None))
+    dp = mesh[("dp_replicate", "dp_shard")] if split["dp_replicate"] > 1 else mesh["dp_shard"]
+    if split["shard_blocks"]:
         for module in model:
             if any(True for _ in module.parameters()):
                 fully_shard(module, mesh=dp)
     fully_shard(model, mesh=dp)
+    return model
+
+
+def placed_grad(p, grad: torch.Tensor) -> torch.Tensor:
+    """The one-process gradient placed like its parameter."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not hasattr(p, "placements"):
+        return grad
+    return distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def run_model(case: dict, work: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    desc = case["model"]
+    torch.manual_seed(case["seed"])
+    reference, _ = build_model(desc)
+    names = [n for n, _ in reference.named_parameters()]
+    initial = [p.detach().clone() for p in reference.parameters()]
+    shapes = [tuple(t.shape) for t in initial]
+    expected, expected_state = one_process(case, initial, names)
+    model = placed_model(desc, desc, initial)
     params = list(model.parameters())
     result: dict = {"reference_state": expected_state,
                     "placements": [str(tuple(p.placements)) if hasattr(p, "placements")
                                    else "plain" for p in params]}
     opt = optimizer(params, names, case["config"])
-    shapes = [tuple(t.shape) for t in initial]
-
-    def set_grad(i, p, grad):
-        if not hasattr(p, "placements"):
-            return grad
-        return distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
-
-    steps(params, shapes, opt, case, 1, case["steps"], set_grad)
+    set_grad = lambda i, p, g: placed_grad(p, g)  # noqa: E731
+    resume_at = case.get("resume_at")
+    steps(params, shapes, opt, case, 1, resume_at or case["steps"], set_grad)
+    if resume_at is not None:  # DCP save, resumed under the other split of the same model
+        opt.zero_grad(set_to_none=True)
+        path = os.path.join(work, f"dcp_model_{case['seed']}")
+        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+        saved = [full(p) for p in params]
+        model = placed_model(desc, case["resume_split"], saved)
+        params = list(model.parameters())
+        opt = optimizer(params, names, case["config"])
+        state = {"optimizer": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(model, opt, state["optimizer"])
+        steps(params, shapes, opt, case, resume_at + 1, case["steps"], set_grad)
     result["state"] = state_numel(opt)
     result["diffs"] = compare([full(p) for p in params], expected, names)
     return result

@@ -257,6 +257,9 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
     if modules:
         case.update(draw_model(rng, world))
         shapes = None
+        if rng.random() < 0.4:  # resumed under another tp x dp split of the same model
+            case["resume_at"] = rng.randint(2, steps - 1)
+            case["resume_split"] = draw_split(rng, world)
     else:
         shapes = [draw_shape(rng) for _ in range(rng.randint(2, 5))]
         names = [f"p{i}" for i in range(len(shapes))]
@@ -293,9 +296,7 @@ def draw_model(rng: random.Random, world: int) -> dict[str, Any]:
     features), colwise / rowwise Linear layers with or without bias, norms (maybe
     sequence parallel), a fused experts' weight (expert parallel on the ``tp`` ranks);
     ``tp`` and data-parallel sizes, ``fully_shard`` or HSDP over the data-parallel dims."""
-    tp = rng.choice([d for d in (1, 2, 4) if world % d == 0 and d <= world])
-    dp = world // tp
-    replicate = rng.choice([d for d in (1, 2) if dp % d == 0]) if dp > 1 else 1
+    split = draw_split(rng, world)
     width = rng.choice([8, 12, 16])
     hidden = rng.choice([8, 16, 24, 33])
     layers = []
@@ -309,9 +310,18 @@ def draw_model(rng: random.Random, world: int) -> dict[str, Any]:
     if rng.random() < 0.4:
         layers.append(("experts", rng.choice([2, 4]), hidden))
     layers.append(("head", rng.choice([8, 17]), rng.random() < 0.5))
-    return {"model": {"tp": tp, "dp_replicate": replicate, "dp_shard": dp // replicate,
-                      "width": width, "layers": layers, "shard_blocks": rng.random() < 0.5},
+    return {"model": {**split, "width": width, "layers": layers},
             "count": model_param_count(layers)}
+
+
+def draw_split(rng: random.Random, world: int) -> dict[str, Any]:
+    """Tensor-parallel and data-parallel sizes of ``world`` ranks (HSDP replicas or not),
+    and whether each block is ``fully_shard``ed on its own first."""
+    tp = rng.choice([d for d in (1, 2, 4) if world % d == 0])
+    dp = world // tp
+    replicate = rng.choice([d for d in (1, 2) if dp % d == 0]) if dp > 1 else 1
+    return {"tp": tp, "dp_replicate": replicate, "dp_shard": dp // replicate,
+            "shard_blocks": rng.random() < 0.5}
 
 
 def model_param_count(layers) -> int:

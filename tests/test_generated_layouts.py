@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests import layout_cases as lc
+from tests.layout_cases import base_seed
 from tests.generated_layout_worker import run_world
 from tests.helpers import one_thread_per_process
 
@@ -57,7 +58,41 @@ def cases_for(world: int) -> list[dict]:
     return out
 
 
+def regressions() -> list[dict]:
+    """Cases that were wrong once, kept as they were reported (4 ranks): a 2-block model
+    with biased colwise / rowwise Linear layers, LayerNorms and a colwise head on a
+    ``(dp_shard 2, tp 2)`` mesh under Shampoo (vectors with Kronecker factors), 4-bit
+    Shampoo and SOAP, resumed through DCP at step 5; a ``(17,)`` vector sharded twice on
+    dim 0 under 4-bit Shampoo; a ``(24, 2)`` matrix placed ``(_StridedShard(0, sf=2),
+    Shard(0))`` under SOAP with blocks of 8."""
+    split = {"tp": 2, "dp_replicate": 1, "dp_shard": 2, "shard_blocks": False}
+    layers = [("mlp", 32, True, False), ("norm", "layer", False)] * 2 + [("head", 8, True)]
+    start = dict(max_preconditioner_dim=32, start_preconditioning_step=3,
+                 precondition_frequency=3, lr=0.01)
+    out = []
+    for index, kind in enumerate(("shampoo", "shampoo_4bit", "soap")):
+        config = {**lc.KINDS[kind], "kind": kind, **start}
+        out.append({"seed": 90_000 + index, "world": 4, "kind": kind, "steps": 8,
+                    "model": {**split, "width": 16, "layers": layers},
+                    "count": lc.model_param_count(layers), "resume_at": 5,
+                    "resume_split": split, "no_grad": {}, "config": config})
+    mesh = {"shape": (2, 2), "names": ("dp_shard", "tp"), "flatten": None}
+    vector = {**lc.KINDS["shampoo_4bit"], "kind": "shampoo_4bit", "lr": 0.01,
+              "max_preconditioner_dim": 32, "precondition_frequency": 2}
+    soap = {**lc.KINDS["soap"], "kind": "soap", "lr": 0.01, "max_preconditioner_dim": 8,
+            "precondition_frequency": 2, "start_preconditioning_step": 2}
+    for index, (shape, where, config) in enumerate((
+            ((17,), [("S", 0), ("S", 0)], vector),
+            ((24, 2), [("SS", 0, 2), ("S", 0)], soap))):
+        out.append({"seed": 90_010 + index, "world": 4, "kind": config["kind"], "steps": 5,
+                    "names": ["p0"], "shapes": [shape],
+                    "layout": {"mesh": mesh, "where": [(("dp_shard", "tp"), where)]},
+                    "no_grad": {}, "config": config})
+    return [case | {"base_seed": "regression"} for case in out]
+
+
 CASES = {world: cases_for(world) for world in BUDGET}
+CASES[4] += regressions()
 
 
 def spawn(world: int, cases: list[dict]) -> list[list[dict]]:
@@ -100,7 +135,8 @@ PARAMS = [pytest.param(world, index, id=f"world{world}-{case['kind']}-"
 def test_drawn_layout_is_bit_identical_to_one_process(results, world, index):
     case = CASES[world][index]
     ranks = world_results(results, world)
-    rerun = (f"HF_SHAMPOO_LAYOUT_SEED={case['base_seed']} HF_SHAMPOO_LAYOUT_FRESH=0 "
+    seed = case["base_seed"] if case["base_seed"] != "regression" else base_seed()
+    rerun = (f"HF_SHAMPOO_LAYOUT_SEED={seed} HF_SHAMPOO_LAYOUT_FRESH=0 "
              f"python -m pytest tests/test_generated_layouts.py -k 'world{world}-' ")
     about = f"case {index} of world {world}:\n{lc.describe(case)}\nrerun: {rerun}"
     got = [r[index] if index < len(r) else None for r in ranks]
