@@ -342,13 +342,12 @@ class DistributedShampoo(torch.optim.Optimizer):
         return plan
 
     def _agreed(self, plan: agreement.Plan) -> agreement.Plan:
-        """``plan``, found the same on every rank that shares blocks with this one (once:
-        ``agreement.check`` raises ``ValueError`` on every rank where they differ)."""
-        distributor = self._distributor
-        if plan.agreed or not distributor.needs_agreement():
-            return plan if plan.agreed else plan.checked()
-        group = distributor.process_group
-        agreement.check(plan, group, agreement.collective_device(self._all_params(), group))
+        """``plan``, found the same on every rank (once: ``agreement.check`` raises
+        ``ValueError`` on every rank where they differ), where the distributor's
+        collectives depend on it."""
+        if plan.agreed or not self._distributor.needs_agreement():
+            return plan.checked()
+        agreement.check(plan, device=agreement.collective_device(self._all_params()))
         return plan.checked()
 
     def _agree(self, layout: Layout) -> None:

@@ -17,6 +17,12 @@ and so cannot mismatch. Only when the digests differ, a second ``all_gather`` of
 rank's plan (padded to the longest, whose length every rank learnt from the first) says
 what differs, and every rank raises the same ``ValueError`` naming itself, the ranks that
 differ and the first difference, before any state or parameter changed.
+
+What it cannot see: stages whose parameters have the same shapes, dtypes and settings
+(plain tensors, or DTensors on sub-meshes of the same shape) look exactly like data-parallel
+replicas, since values are not compared; and a layout that changes on some ranks only (a
+group added or a parameter unfrozen on one rank alone) makes those ranks call the check
+alone, which only a collective at every step could prevent.
 """
 
 from __future__ import annotations
@@ -107,8 +113,9 @@ def _payload(entries: Sequence[dict]) -> bytes:
 
 
 def check(plan: Plan, group=None, device: torch.device | None = None) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` (None: the default group) unless
-    every rank's ``plan`` is the same; a collective every rank of the group calls."""
+    """Raise ``ValueError`` on every rank of ``group`` (None: the world, as the optimizer
+    checks) unless every rank's ``plan`` is the same; a collective every rank of the group
+    calls."""
     device = device or torch.device("cpu")
     world = dist.get_world_size(group)
     entries = plan.entries
@@ -155,7 +162,7 @@ def message(plans: Sequence[dict], keys: Sequence[tuple], ranks: Sequence[int],
     for held in others:
         lines.append(_first_difference(held[0], plan_of[held[0]], reference[0],
                                        plan_of[reference[0]]))
-    lines.append(f"This is rank {me}; nothing was changed. {STAGES}.")
+    lines.append(f"This is rank {me}; nothing was changed. {STAGES}")
     return " ".join(lines)
 
 

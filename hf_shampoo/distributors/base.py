@@ -65,8 +65,8 @@ class Distributor:
     blocks that move). At layout time it calls ``blocking_shape``, ``assign`` (an owner
     per block) and ``allocate_directions`` (again when ``needs_reallocation``); before
     a layout's first collective it asks ``needs_agreement`` and ``collective_layout``
-    (whether, and when, the ranks of ``process_group`` must be found to hold the same
-    parameters: ``agreement.py``); the refresh check asks ``any_rank``; checkpoints read
+    (whether, and when, the ranks must be found to hold the same parameters:
+    ``agreement.py``); the refresh check asks ``any_rank``; checkpoints read
     ``is_sharded_state``, ``state_key_prefix`` and ``global_rank_and_world``. Nothing
     else: every per-step fact
     travels as an argument, and a distributor keeps only what its layout planned.
@@ -82,15 +82,12 @@ class Distributor:
     is_sharded_state: bool = False
     #: prefix of this rank's state keys (``fsdp_mode="local"``: which shard its blocks cut)
     state_key_prefix: str = ""
-    #: the process group of the collectives that ``needs_agreement`` speaks of (None: the
-    #: default group)
-    process_group = None
-
     def needs_agreement(self) -> bool:
-        """Whether the ranks of ``process_group`` run collectives whose sizes their layouts
-        decide, so that they must hold the same parameters (the optimizer checks it once
-        per layout, before the first such collective: ``agreement.py``). Not here: one
-        process, or ranks that exchange nothing sized by the layout."""
+        """Whether the ranks run collectives whose sizes, or whose being called at all,
+        their layouts decide, so that every rank of the world must hold the same
+        parameters (the optimizer checks it once per layout, before the first such
+        collective: ``agreement.py``). Not here: one process, or ranks that exchange
+        nothing the layout decides."""
         return False
 
     def collective_layout(self, params: Sequence[Tensor]) -> bool:

@@ -53,8 +53,9 @@ class DataParallelDistributor(Distributor):
         return dist.get_rank(), dist.get_world_size()
 
     def needs_agreement(self) -> bool:
-        """The all-gather's size comes from the layout: the ranks of a trainer group must
-        hold the same parameters (groups of one rank exchange nothing)."""
+        """The all-gather's size comes from the layout, and whether a step asks
+        ``any_rank`` (of the world) from its refreshes: every rank must hold the same
+        parameters. Trainer groups of one rank exchange nothing."""
         return self.world_size > 1
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],

@@ -40,7 +40,7 @@ STAGES = (
     "that exchanges nothing between ranks: distributed='none' for plain parameters, "
     "fsdp_mode='local' for a stage sharded with fully_shard (each rank blocks its own "
     "shard). Support for stages that share blocks within a process group of their own is "
-    "planned; pipeline stages: see docs/parallelism.md#limits"
+    "planned; pipeline stages: see docs/parallelism.md#limits."
 )
 
 
