@@ -17,13 +17,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hf_shampoo.distributors import agreement
+from hf_shampoo.distributors import SingleProcessDistributor, agreement
 from tests import ranks_worker as worker
 from tests.helpers import one_thread_per_process
 
 pytestmark = pytest.mark.distributed
 
-DEADLINE = 60  # seconds for one world's spawn: far more than it takes, far less than a hang
+DEADLINE = 120  # seconds for one world's spawn: many times what it takes (15 s), and a
+# hang never ends
 WAY_OUT = ("distributed='none'", "fsdp_mode='local'", "docs/parallelism.md#limits")
 
 
@@ -158,3 +159,48 @@ def test_one_process_and_planners_check_nothing():
     param.grad = torch.ones(4, 3)
     opt.step()
     assert opt._layout.plan.agreed and not opt.distributor.needs_agreement()
+
+
+class _Checked(SingleProcessDistributor):
+    """One process that checks as a sharded distributor on sub-meshes would: before
+    ``assign``, at every layout."""
+
+    def needs_agreement(self) -> bool:
+        return True
+
+    def collective_layout(self, params) -> bool:
+        return True
+
+
+def test_a_refused_layout_change_changes_nothing(monkeypatch):
+    """Where the check runs while laying out (``collective_layout``), a refused new group
+    is not added, and a refused rebuild keeps the old layout and distributor."""
+    from hf_shampoo import DistributedShampoo
+
+    refuse = {"above": 1}
+
+    def check(plan, group=None, device=None):
+        if len(plan.entries) > refuse["above"]:
+            raise ValueError("DistributedShampoo: refused (test)")
+
+    monkeypatch.setattr(agreement, "check", check)
+    param = torch.nn.Parameter(torch.ones(4, 3))
+    opt = DistributedShampoo([param], lr=0.1)
+    opt.distributor = distributor = _Checked()
+    param.grad = torch.ones(4, 3)
+    opt.step()
+    layout, state = opt._layout, {k: dict(v) for k, v in opt.state_dict()["state"].items()}
+    extra = torch.nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(ValueError, match="refused"):
+        opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 1 and len(opt._constructed) == 1
+    assert opt._layout is layout and len(layout.plan.entries) == 1 and layout.plan.agreed
+    assert opt.distributor is distributor
+    for index, entry in opt.state_dict()["state"].items():
+        assert all(torch.equal(t, state[index][k]) for k, t in entry.items())
+    # a rebuild (the parameters swapped, as Accelerate does) that is refused
+    refuse["above"] = 0
+    opt.param_groups[0]["params"] = [torch.nn.Parameter(torch.ones(4, 3))]
+    with pytest.raises(ValueError, match="refused"):
+        opt._ensure_layout()
+    assert opt._layout is layout and opt.distributor is distributor
