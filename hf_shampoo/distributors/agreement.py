@@ -63,9 +63,9 @@ def param_key(param: Tensor, world: int) -> list:
 @dataclass(frozen=True)
 class Plan:
     """One entry per laid-out parameter, in layout order: ``{"index", "name" (None
-    without ``param_names``), "param":
-    param_key, "blocks": [[shape, group, work dtype, settings, cost], ...]}``; ``agreed``:
-    whether every rank was found to hold the same (names are not compared)."""
+    without ``param_names``), "param": param_key, "blocks": [[shape, group, work dtype,
+    settings, cost], ...]}``; ``agreed``: whether every rank was found to hold the same
+    (names are not compared)."""
 
     entries: tuple = ()
     agreed: bool = False
@@ -76,6 +76,7 @@ class Plan:
         return Plan(self.entries + entries, False) if entries else self
 
     def checked(self) -> Plan:
+        """This plan, agreed."""
         return Plan(self.entries, True)
 
 
