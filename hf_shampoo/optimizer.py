@@ -30,7 +30,7 @@ from .config import (
     validate_group,
     vector_settings,
 )
-from .distributors import Distributor, make_distributor
+from .distributors import Distributor, agreement, make_distributor
 from .distributors.zero import ZeroPartitions, find_zero_partitions
 from .pipeline import Layout
 from .preconditioners import kind_of
@@ -167,8 +167,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         if self._constructed is not None:
             self._constructed.append(list(self.param_groups[-1]["params"]))
         if self._layout is not None:
-            self._layout = None if not any(s.state for s in self._layout.owned) else \
-                self._extend_layout(self._layout, self._trainable())
+            try:
+                self._layout = None if not any(s.state for s in self._layout.owned) else \
+                    self._extend_layout(self._layout, self._trainable())
+            except BaseException:  # e.g. ranks that added different groups: none added
+                self.param_groups.pop()
+                if self._constructed is not None:
+                    self._constructed.pop()
+                raise
 
     # ------------------------------------------------------------------ layout
     def _all_params(self) -> list[Tensor]:
@@ -283,7 +289,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         overrides = cls._vector_overrides(group, param)
         return ChainMap(overrides, group) if overrides else group
 
-    def _make_stacks(self, blocks: list[BlockRef], blockings: dict) -> list[BlockStack]:
+    def _make_stacks(self, blocks: list[BlockRef], blockings: dict, plan: agreement.Plan
+                     ) -> tuple[list[BlockStack], agreement.Plan]:
+        """The blocks' stacks, each block given its owner, and ``plan`` with the blocks'
+        parameters (``_planned``)."""
         shapes = [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
         kinds: list[tuple] = []  # per block: what its stack is made of, but the owner
         for block, shape in zip(blocks, shapes):
@@ -299,7 +308,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             gi, shape, _, work_dtype, overrides = kind
             probe = BlockStack(gi, shape, [], work_dtype, overrides=dict(overrides))
             priced[kind] = probe.assignment_cost(probe.settings(self.param_groups), cost)
-        owners = self._distributor.assign(blocks, shapes, [priced[k] for k in kinds])
+        costs = [priced[k] for k in kinds]
+        plan = self._planned(plan, blocks, kinds, costs)
+        owners = self._distributor.assign(blocks, shapes, costs)
         stacks: dict[tuple, BlockStack] = {}
         for block, owner, kind in zip(blocks, owners, kinds):
             key = (owner, *kind)
@@ -307,29 +318,72 @@ class DistributedShampoo(torch.optim.Optimizer):
                 stacks[key] = BlockStack(kind[0], kind[1], [], kind[3], rank=owner,
                                          overrides=dict(kind[4]))
             stacks[key].members.append(block)
-        return sorted(stacks.values(), key=lambda s: s.rank)
+        return sorted(stacks.values(), key=lambda s: s.rank), plan
+
+    def _planned(self, plan: agreement.Plan, blocks: list[BlockRef], kinds: list[tuple],
+                 costs: list[float]) -> agreement.Plan:
+        """``plan`` with the new blocks' parameters (``agreement.Plan``: what the ranks
+        must hold alike), checked across the ranks now where laying them out is itself a
+        collective (sub-meshes, DeepSpeed's partitions), else at the first step."""
+        entries: dict[int, dict] = {}
+        for block, (group, shape, _, work_dtype, overrides), cost in zip(blocks, kinds, costs):
+            entry = entries.get(block.param_index)
+            if entry is None:
+                named = self.param_groups[block.group_index].get("param_names")
+                entry = entries[block.param_index] = {
+                    "index": block.param_index, "name": block.name if named else None,
+                    "param": agreement.param_key(block.param, self._distributor.world_size),
+                    "blocks": []}
+            entry["blocks"].append([list(shape), group, str(work_dtype).removeprefix(
+                "torch."), repr(overrides), float(cost)])
+        plan = plan.extended(entries.values())
+        if self._distributor.collective_layout([b.param for b in blocks]):
+            plan = self._agreed(plan)
+        return plan
+
+    def _agreed(self, plan: agreement.Plan) -> agreement.Plan:
+        """``plan``, found the same on every rank (once: ``agreement.check`` raises
+        ``ValueError`` on every rank where they differ), where the distributor's
+        collectives depend on it."""
+        if plan.agreed or not self._distributor.needs_agreement():
+            return plan.checked()
+        agreement.check(plan, device=agreement.collective_device(self._all_params()))
+        return plan.checked()
+
+    def _agree(self, layout: Layout) -> None:
+        """Before a layout's first collective (a step, ``train()`` / ``eval()``): its plan
+        checked across the ranks, once per layout (nothing per step after)."""
+        if not layout.plan.agreed:
+            layout.plan = self._agreed(layout.plan)
 
     def _ensure_layout(self, also: Iterable[int] = ()) -> Layout:
         """The layout of every trainable parameter (``_trainable``) and of ``also`` (a
         checkpoint's parameters), built on first use and extended when one is added."""
         params = [id(p) for p in self._all_params()]
         carried = None
+        rebuild = self._layout is None
         if self._layout is not None and self._layout.params != params:
             # Accelerate's FSDP2 prepare swaps in the sharded parameters after construction
             # (having called state_dict() / load_state_dict() on the unsharded ones). State
             # that training or a load put there moves to the new layout by block identity.
+            rebuild = True
             if any(group["step"] > 0 for group in self.param_groups):
                 carried = saving.pack_state(self.param_groups, self._layout.owned,
                                             self._distributor, self._layout.blockings)
                 also = {*also, *self._layout.blockings}
-            self._layout = None
         wanted = sorted({*self._trainable(), *also})
-        if self._layout is None:
+        if rebuild:  # the old layout and distributor stay until the new one is complete
+            previous = self._distributor
             self._distributor = self._pick_distributor()
-            blockings, blocks = self._blocks(wanted)
-            stacks = self._make_stacks(blocks, blockings)
-            self._layout = Layout(blockings, stacks, [], params)
-            self._finish_layout(self._layout)
+            try:
+                blockings, blocks = self._blocks(wanted)
+                stacks, plan = self._make_stacks(blocks, blockings, agreement.Plan())
+                layout = Layout(blockings, stacks, [], params, plan)
+                self._finish_layout(layout)
+            except BaseException:
+                self._distributor = previous
+                raise
+            self._layout = layout
             if carried is not None:
                 saving.unpack_state(carried, self.param_groups, self._layout.owned,
                                     self._distributor, self._layout.blockings)
@@ -342,10 +396,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         parameter unfrozen during training); existing blocks and their state stay."""
         new = [i for i in wanted if i not in layout.blockings]
         blockings, blocks = self._blocks(new)
+        stacks, layout.plan = self._make_stacks(blocks, blockings, layout.plan)
         layout.blockings.update(blockings)
-        layout.stacks = sorted(
-            layout.stacks + self._make_stacks(blocks, blockings), key=lambda s: s.rank
-        )
+        layout.stacks = sorted(layout.stacks + stacks, key=lambda s: s.rank)
         layout.params = [id(p) for p in self._all_params()]
         self._finish_layout(layout)
         return layout
@@ -408,6 +461,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         layout = self._ensure_layout()
+        self._agree(layout)  # once per layout: ranks that hold other parameters raise here
         self._consolidation.forget()
         distributor, groups = self._distributor, self.param_groups
         if distributor.needs_reallocation(layout.stacks):
@@ -457,8 +511,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         layout = self._layout  # None before the first step: z = y = x, nothing moves
         if groups and layout is not None and (self._distributor.world_size > 1
                                               or any(s.state for s in layout.owned)):
-            averaging.switch(self._ensure_layout(), self._distributor, self.param_groups,
-                             groups, to_train)
+            layout = self._ensure_layout()
+            self._agree(layout)
+            averaging.switch(layout, self._distributor, self.param_groups, groups, to_train)
             self._consolidation.forget()
         averaging.mark_mode(self.param_groups, to_train)
 

@@ -20,7 +20,7 @@ refresh schedule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from torch import Tensor
 from .blocking import ParamBlocking
 from .config import is_preconditioning, is_refresh_step, start_step
 from .distributors import OTHER_RANK, Distributor, greedy_assignment
+from .distributors.agreement import Plan
 from .linalg import finite_rows
 from .preconditioners import kind_of
 from .stack import BlockStack, ShampooNumericalError, StackStep, Workspace
@@ -42,6 +43,7 @@ class Layout:
     stacks: list[BlockStack]  # every stack of every rank, in buffer order
     owned: list[BlockStack]  # the stacks whose state lives on this rank
     params: list[int]  # ids of the parameters it was built for (Accelerate may swap them)
+    plan: Plan = field(default_factory=Plan)  # what every rank must hold alike (agreement)
 
 
 

@@ -63,9 +63,12 @@ class Distributor:
     ``finish_step`` (share the owners' directions of the active blocks and add every
     block's to its parameter; ``train()`` / ``eval()`` call it too, every rank, for the
     blocks that move). At layout time it calls ``blocking_shape``, ``assign`` (an owner
-    per block) and ``allocate_directions`` (again when ``needs_reallocation``); the
-    refresh check asks ``any_rank``; checkpoints read ``is_sharded_state``,
-    ``state_key_prefix`` and ``global_rank_and_world``. Nothing else: every per-step fact
+    per block) and ``allocate_directions`` (again when ``needs_reallocation``); before
+    a layout's first collective it asks ``needs_agreement`` and ``collective_layout``
+    (whether, and when, the ranks must be found to hold the same parameters:
+    ``agreement.py``); the refresh check asks ``any_rank``; checkpoints read
+    ``is_sharded_state``, ``state_key_prefix`` and ``global_rank_and_world``. Nothing
+    else: every per-step fact
     travels as an argument, and a distributor keeps only what its layout planned.
     Subclasses (``single``, ``ddp``, ``fsdp``, ``local``, ``zero``) decide where blocks
     live; none of them knows the algorithm. ``assign``, ``allocate_directions`` and
@@ -79,6 +82,19 @@ class Distributor:
     is_sharded_state: bool = False
     #: prefix of this rank's state keys (``fsdp_mode="local"``: which shard its blocks cut)
     state_key_prefix: str = ""
+    def needs_agreement(self) -> bool:
+        """Whether the ranks run collectives whose sizes, or whose being called at all,
+        their layouts decide, so that every rank of the world must hold the same
+        parameters (the optimizer checks it once per layout, before the first such
+        collective: ``agreement.py``). Not here: one process, or ranks that exchange
+        nothing the layout decides."""
+        return False
+
+    def collective_layout(self, params: Sequence[Tensor]) -> bool:
+        """Whether ``assign`` for these parameters is itself a collective (it learns other
+        ranks' parts of them), so that the ranks must be found to agree before it rather
+        than at the first step."""
+        return False
 
     def global_rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and world size (0 and 1 in one process)."""

@@ -52,6 +52,12 @@ class DataParallelDistributor(Distributor):
     def global_rank_and_world(self) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
 
+    def needs_agreement(self) -> bool:
+        """The all-gather's size comes from the layout, and whether a step asks
+        ``any_rank`` (of the world) from its refreshes: every rank must hold the same
+        parameters. Trainer groups of one rank exchange nothing."""
+        return self.world_size > 1
+
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
                costs: Sequence[float] | None = None) -> list[int]:
         if costs is None:

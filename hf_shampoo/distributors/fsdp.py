@@ -49,6 +49,7 @@ from .placements import (
     is_dtensor,
     local_tensor,
     merged_box,
+    on_sub_mesh,
     refuse_unsupported,
 )
 
@@ -146,8 +147,11 @@ class ShardedDistributor(Distributor):
         signature: tuple = (),
     ) -> None:
         self.communication_dtype = communication_dtype
+        # a planner (rank and world given) has no process group and exchanges nothing
+        self.grouped = rank is None and world_size is None
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self.rank = dist.get_rank() if rank is None else rank
+        self.own_boxes = boxes_of is None  # placements.holdings: sub-meshes gather
         self.boxes_of = boxes_of or (lambda params, names: holdings(params, self.world_size,
                                                                       names))
         self.signature = signature
@@ -166,6 +170,16 @@ class ShardedDistributor(Distributor):
 
     def global_rank_and_world(self) -> tuple[int, int]:
         return self.rank, self.world_size
+
+    def needs_agreement(self) -> bool:
+        """Every collective of a step is sized by the layout (flags per parameter, parts
+        per block): the world's ranks must hold the same parameters on the same meshes."""
+        return self.grouped and self.world_size > 1
+
+    def collective_layout(self, params: Sequence[Tensor]) -> bool:
+        """``holdings`` gathers every rank's view of parameters on a sub-mesh."""
+        return self.needs_agreement() and self.own_boxes and any(
+            on_sub_mesh(p, self.world_size) for p in params)
 
     def values_of(self, param: Tensor) -> Tensor:
         """The local buffer holding this rank's values of ``param`` (its DTensor shard)."""

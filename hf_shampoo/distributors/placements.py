@@ -10,7 +10,8 @@ a sub-mesh (tensor parallel inside data parallel). ``HeldBy`` groups ranks holdi
 same box (replicas) and checks that the boxes tile the parameter.
 
 ``refuse_unsupported`` rejects what has no box (``Partial``, custom placements), FSDP1 flat
-parameters and DeepSpeed ZeRO partitions, before any state exists.
+parameters and DeepSpeed ZeRO partitions, before any state exists. ``STAGES`` says what ranks
+that hold different parameters (pipeline stages) do instead (docs/parallelism.md#limits).
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ SUPPORTED = (
     "DistributedShampoo supports plain parameters (one process, DDP) and DTensor parameters "
     "placed with Shard(d) (FSDP2's strided shards included) and Replicate() on any mesh: "
     "FSDP2, HSDP, tensor parallel (parallelize_module) and their products"
+)
+
+#: the way out for ranks that hold different parameters (pipeline stages), in errors
+STAGES = (
+    "DistributedShampoo shares blocks among ranks that hold the same parameters (data "
+    "parallel, FSDP2, tensor parallel). For pipeline stages, build one optimizer per stage "
+    "that exchanges nothing between ranks: distributed='none' for plain parameters, "
+    "fsdp_mode='local' for a stage sharded with fully_shard (each rank blocks its own "
+    "shard). Support for stages that share blocks within a process group of their own is "
+    "planned; pipeline stages: see docs/parallelism.md#limits."
 )
 
 
@@ -144,12 +155,20 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
+def on_sub_mesh(param: Tensor, world: int) -> bool:
+    """Whether ``param`` is a DTensor on a mesh smaller than the world: ``holdings`` then
+    needs every rank's view of it (a collective)."""
+    return is_dtensor(param) and param.device_mesh.mesh.numel() != world
+
+
 def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None = None
              ) -> dict[int, list[Box | None]]:
     """``param_index`` → every global rank's box (None: it holds nothing). A plain
     parameter is held whole by every rank. Parameters on a mesh smaller than the world
-    (a sub-mesh) need every rank's view: one ``all_gather_object``, which every rank
-    reaches because layouts are built by every rank alike."""
+    (a sub-mesh, ``on_sub_mesh``) need every rank's view: one ``all_gather_object``, which
+    every rank reaches because layouts are built by every rank alike (the optimizer has
+    checked that the ranks hold the same parameters on the same meshes first:
+    ``agreement.py``), so that every rank raises alike."""
     out: dict[int, list[Box | None]] = {}
     partial: dict[int, dict[int, Box | None]] = {}
     for index, param in params.items():
@@ -158,7 +177,7 @@ def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None
             continue
         boxes = mesh_boxes(param)
         _check_local(index, param, boxes, names)
-        if len(boxes) == world:
+        if not on_sub_mesh(param, world):
             out[index] = [boxes[r] for r in range(world)]
         else:
             partial[index] = boxes
@@ -173,9 +192,10 @@ def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None
             if missing:
                 where = describe_param(index, params[index], names)
                 raise ValueError(
-                    f"DistributedShampoo: parameter {where} is "
-                    f"held by no mesh on ranks {missing}; every rank must hold every "
-                    "parameter (pipeline-parallel stages need one optimizer per stage)")
+                    f"DistributedShampoo: parameter {where} is held by no mesh on ranks "
+                    f"{missing} (its mesh has ranks "
+                    f"{params[index].device_mesh.mesh.flatten().tolist()}); every rank must "
+                    f"hold a part of every parameter. {STAGES}")
             out[index] = [merged[r] for r in range(world)]
     return out
 

@@ -175,6 +175,10 @@ class ZeroDistributor(ShardedDistributor):
         super().__init__(torch.float32, boxes_of=zero.boxes)
         self.zero = zero
 
+    def collective_layout(self, params) -> bool:
+        """``ZeroPartitions.boxes`` gathers every rank's pieces at every layout."""
+        return self.needs_agreement()
+
     def _flat(self, param: Tensor) -> int:
         return self.zero.group_of[id(param)]
 

@@ -1,0 +1,237 @@
+"""Ranks that hold different parameters are refused before they exchange anything
+(docs/design.md §4 and §8, docs/parallelism.md#limits).
+
+The data-parallel and sharded distributors run collectives whose sizes come from the
+layout: one all-gather of every owner's directions (``ddp``), flags per parameter and
+parts per block (``fsdp``, ``zero``). Ranks that hold different parameters, as pipeline
+stages do, would call them with different sizes: gloo aborts the process, NCCL hangs.
+
+A ``Plan`` is what a layout is made of, per parameter in layout order: its index, shape,
+dtype, DTensor placements and mesh (``param_key``), and its blocks (shape, group, working
+dtype, vector settings, assignment cost): everything the owners, the buffers and the
+exchanged parts derive from, nothing of the device. ``check`` compares it across the ranks
+once per layout (the optimizer calls it before the layout's first collective, at the first
+step or, where laying out is itself a collective, before that): one ``all_gather`` of six
+integers per rank (the plan's length and a digest), which has the same size on every rank
+and so cannot mismatch. Only when the digests differ, a second ``all_gather`` of every
+rank's plan (padded to the longest, whose length every rank learnt from the first) says
+what differs, and every rank raises the same ``ValueError`` naming itself, the ranks that
+differ and the first difference, before any state or parameter changed.
+
+What it cannot see: stages whose parameters have the same shapes, dtypes and settings
+(plain tensors, or DTensors on sub-meshes of the same shape) look exactly like data-parallel
+replicas, since values are not compared; and a layout that changes on some ranks only (a
+group added or a parameter unfrozen on one rank alone) makes those ranks call the check
+alone, which only a collective at every step could prevent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .placements import STAGES, is_dtensor
+
+__all__ = ["Plan", "check", "collective_device", "param_key"]
+
+#: bytes of a rank's plan sent when ranks differ; the parameters beyond are left out
+PAYLOAD_LIMIT = 1 << 18
+#: shapes listed per rank in the error
+SHAPES_SHOWN = 6
+
+
+def param_key(param: Tensor, world: int) -> list:
+    """What of a parameter the exchange depends on: shape, dtype, and a DTensor's
+    placements and mesh: its global ranks where it spans the ``world``, else only its
+    shape (a sub-mesh is each rank's own: tensor parallel inside data parallel puts rank
+    0's on ranks [0, 1] and rank 2's on [2, 3]; ``placements.holdings`` gathers them)."""
+    key: list = [list(param.shape), str(param.dtype).removeprefix("torch.")]
+    if is_dtensor(param):
+        ranks = param.device_mesh.mesh
+        mesh = ranks.flatten().tolist() if ranks.numel() == world else \
+            {"sub-mesh": list(ranks.shape)}
+        key += [mesh, [repr(p) for p in param.placements]]
+    return key
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One entry per laid-out parameter, in layout order: ``{"index", "name" (None
+    without ``param_names``), "param": param_key, "blocks": [[shape, group, work dtype,
+    settings, cost], ...]}``; ``agreed``: whether every rank was found to hold the same
+    (names are not compared)."""
+
+    entries: tuple = ()
+    agreed: bool = False
+
+    def extended(self, entries: Iterable[dict]) -> Plan:
+        """This plan with the entries of newly laid-out parameters, not yet agreed."""
+        entries = tuple(entries)
+        return Plan(self.entries + entries, False) if entries else self
+
+    def checked(self) -> Plan:
+        """This plan, agreed."""
+        return Plan(self.entries, True)
+
+
+def collective_device(params: Sequence[Tensor], group=None) -> torch.device:
+    """Where the check's tensors live: the parameters' device (the one the distributor's
+    own collectives use), else the current GPU under NCCL, else the CPU."""
+    for param in params:
+        if param.device.type != "meta":
+            return param.device
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _keys(entries: Sequence[dict]) -> list:
+    return [[e["index"], e["param"], e["blocks"]] for e in entries]
+
+
+def _digest(entries: Sequence[dict]) -> list[int]:
+    text = json.dumps(_keys(entries), separators=(",", ":"))
+    raw = hashlib.sha256(text.encode()).digest()
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def _payload(entries: Sequence[dict]) -> bytes:
+    """The plan as JSON, cut to ``PAYLOAD_LIMIT`` bytes by leaving out parameters from the
+    end (``kept`` says how many are in it, ``count`` how many there are)."""
+    kept = list(entries)
+    while True:
+        data = json.dumps({"count": len(entries), "entries": kept},
+                          separators=(",", ":")).encode()
+        if len(data) <= PAYLOAD_LIMIT or not kept:
+            return data
+        kept = kept[: len(kept) // 2]
+
+
+def check(plan: Plan, group=None, device: torch.device | None = None) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` (None: the world, as the optimizer
+    checks) unless every rank's ``plan`` is the same; a collective every rank of the group
+    calls."""
+    device = device or torch.device("cpu")
+    world = dist.get_world_size(group)
+    entries = plan.entries
+    payload = _payload(entries)
+    mine = torch.tensor([len(entries), len(payload), *_digest(entries)], dtype=torch.int64,
+                        device=device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    table = [tuple(row.tolist()) for row in rows]
+    if all(row[:1] + row[2:] == table[0][:1] + table[0][2:] for row in table):
+        return
+    # they differ: every rank learns every plan (the same size everywhere: the longest)
+    longest = max(row[1] for row in table)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    plans = [json.loads(bytes(g[: row[1]].cpu().tolist()).decode())
+             for g, row in zip(gathered, table)]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    raise ValueError(message(plans, [row[:1] + row[2:] for row in table], ranks,
+                             dist.get_rank()))
+
+
+def message(plans: Sequence[dict], keys: Sequence[tuple], ranks: Sequence[int],
+            me: int) -> str:
+    """The error: which ranks hold what, where the first difference is, the way out.
+    ``plans`` and ``keys`` (count and digest) per rank of the group, ``ranks`` their
+    global ranks, ``me`` this one's."""
+    kinds: dict[tuple, list[int]] = {}
+    for rank, key in zip(ranks, keys):
+        kinds.setdefault(key, []).append(rank)
+    # the plan most ranks hold (ties: the lowest rank's) is the one the others differ from
+    order = sorted(kinds.values(), key=lambda held: (-len(held), held[0]))
+    reference, others = order[0], order[1:]
+    plan_of = {rank: plan for rank, plan in zip(ranks, plans)}
+    differing = sorted(r for held in others for r in held)
+    lines = [
+        f"DistributedShampoo: {_who(differing)} {_verb(differing, 'hold')} different "
+        f"parameters from {_who(reference)}, so the blocks the ranks share would not line up (gloo "
+        "aborts, NCCL hangs): " + "; ".join(
+            _holding(held, plan_of[held[0]]) for held in sorted(order, key=lambda h: h[0]))
+        + "."]
+    for held in others:
+        lines.append(_first_difference(held[0], plan_of[held[0]], reference[0],
+                                       plan_of[reference[0]]))
+    lines.append(f"This is rank {me}; nothing was changed. {STAGES}")
+    return " ".join(lines)
+
+
+def _who(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else \
+        "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _verb(ranks: Sequence[int], verb: str) -> str:
+    return verb + "s" if len(ranks) == 1 else verb
+
+
+def _shape(entry: dict) -> str:
+    return str(tuple(entry["param"][0]))
+
+
+def _holding(ranks: Sequence[int], plan: dict) -> str:
+    entries, count = plan["entries"], plan["count"]
+    shapes = [_shape(e) for e in entries[:SHAPES_SHOWN]]
+    if count > len(shapes):
+        shapes.append(f"... {count - len(shapes)} more")
+    noun = "parameter" if count == 1 else "parameters"
+    return (f"{_who(ranks)} {_verb(ranks, 'hold')} {count} {noun} to optimize, of shapes "
+            f"[{', '.join(shapes)}]")
+
+
+def _described(entry: dict, detail: int, named: bool = True) -> str:
+    """A parameter in the error: index, name (``named``), shape and dtype; with ``detail``
+    1 its mesh and placements too, with 2 its blocks as well."""
+    param = entry["param"]
+    name = f" {entry['name']!r}" if named and entry["name"] is not None else ""
+    text = f"parameter {entry['index']}{name} of shape {_shape(entry)} {param[1]}"
+    if detail >= 1 and len(param) > 2:
+        mesh = param[2]
+        where = f"a sub-mesh of shape {tuple(mesh['sub-mesh'])}" if isinstance(mesh, dict) \
+            else f"mesh ranks {mesh}"
+        text += f" on {where} placed ({', '.join(param[3])})"
+    elif detail >= 1:
+        text += " (a plain tensor)"
+    if detail >= 2:
+        blocks = [f"{tuple(b[0])} in group {b[1]} ({b[2]}{', ' + b[3] if b[3] != '()' else ''}"
+                  f", cost {b[4]!r})" for b in entry["blocks"]]
+        text += f" blocked as [{', '.join(blocks)}]"
+    return text
+
+
+def _first_difference(rank: int, plan: dict, base_rank: int, base: dict) -> str:
+    """Where ``rank``'s plan first departs from ``base_rank``'s."""
+    mine, theirs = plan["entries"], base["entries"]
+    for position, (a, b) in enumerate(zip(mine, theirs)):
+        if _keys([a]) == _keys([b]):
+            continue
+        detail = 0  # the least that shows the difference (names are not compared)
+        while detail < 2 and _described(a, detail, False) == _described(b, detail, False):
+            detail += 1
+        text = (f"Rank {rank} differs from rank {base_rank} first at its parameter "
+                f"{position} to optimize: {_described(a, detail)} there, "
+                f"{_described(b, detail)} on rank {base_rank}")
+        if detail == 2:
+            text += (" (the same parameter, blocked otherwise: settings such as "
+                     "max_preconditioner_dim or the kind differ between the ranks)")
+        return text + "."
+    shared = min(len(mine), len(theirs))
+    complete = len(mine) == plan["count"] and len(theirs) == base["count"]
+    if complete and len(mine) != len(theirs):
+        longer, extra = (rank, mine) if len(mine) > len(theirs) else (base_rank, theirs)
+        return (f"Rank {rank} and rank {base_rank} agree on their first {shared} parameters "
+                f"to optimize; rank {longer} has more, from {_described(extra[shared], 0)}.")
+    return (f"Rank {rank} and rank {base_rank} agree on the first {shared} parameters "
+            "to optimize they sent each other; they differ further on.")

@@ -1,0 +1,164 @@
+"""Ranks that hold different parameters, for tests/test_rank_agreement.py
+(docs/parallelism.md#limits): every rank of a gloo group runs every scenario of its world
+and records what ``step()`` did: the error it raised (or "stepped"), whether the parameters
+and the step counts stayed as they were, and the distributor's class.
+
+A pipeline split gives rank ``r`` its own stage of one 4-layer model (world 2: layers 0-1
+on rank 0, 2-3 on rank 1; world 3: ranks 0 and 1 hold layers 0-1, rank 2 layers 2-3), as
+plain tensors (the data-parallel distributor) or fully_shard'ed on a 1-rank sub-mesh of
+its own (the sharded distributor). ``run_world`` is the ``mp.spawn`` entry; it writes
+``rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from hf_shampoo import DistributedShampoo
+from tests.helpers import join_gloo_world
+
+LAYERS = [(6, 8), (8, 8), (8, 4), (4, 2)]
+
+
+def stage_of(rank: int, world: int) -> int:
+    """The pipeline stage rank ``rank`` holds: the last rank alone holds the second."""
+    return 1 if rank == world - 1 else 0
+
+
+def make_stage(stage: int) -> torch.nn.Sequential:
+    torch.manual_seed(stage)
+    layers = [torch.nn.Linear(i, o) for i, o in LAYERS]
+    return torch.nn.Sequential(*layers[2 * stage:2 * stage + 2])
+
+
+def set_grads(params, seed: int) -> None:
+    """The same gradients on every rank holding the same stage (plain or DTensor)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        full = torch.randn(tuple(p.shape), generator=g)
+        if hasattr(p, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            full = distribute_tensor(full, p.device_mesh, p.placements)
+        p.grad = full
+
+
+def snapshot(params) -> list[torch.Tensor]:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for p in params]
+
+
+def attempt(opt: DistributedShampoo, params, seed: int = 1) -> dict:
+    """One ``step()`` on fresh gradients: what it raised (or "stepped"), and whether the
+    parameters and the groups' step counts stayed as they were."""
+    before, steps = snapshot(params), [g["step"] for g in opt.param_groups]
+    set_grads(params, seed)
+    try:
+        opt.step()
+        outcome = "stepped"
+    except (ValueError, RuntimeError) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    after = snapshot(params)
+    return {"outcome": outcome,
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after))
+            and steps == [g["step"] for g in opt.param_groups],
+            "kind": type(opt.distributor).__name__}
+
+
+def pipeline_plain(rank: int, world: int, **config) -> dict:
+    """Each rank's stage, plain tensors, named: the data-parallel distributor."""
+    stage = make_stage(stage_of(rank, world))
+    opt = DistributedShampoo(stage.named_parameters(), lr=0.1, **config)
+    first = attempt(opt, list(stage.parameters()))
+    first["again"] = attempt(opt, list(stage.parameters()))["outcome"]  # raises again
+    return first
+
+
+def described_first(rank: int, world: int) -> dict:
+    """Rank 0 alone lays the blocks out before the first step (``describe_blocks()``, as
+    ``if is_main_process: print(describe(optimizer))`` does): no collective then, and
+    the first step still refuses on every rank."""
+    stage = make_stage(stage_of(rank, world))
+    opt = DistributedShampoo(stage.parameters(), lr=0.1)
+    if rank == 0:
+        opt.describe_blocks()
+    return attempt(opt, list(stage.parameters()))
+
+
+def pipeline_sharded(rank: int, world: int, **config) -> dict:
+    """Each rank's stage fully_shard'ed on a 1-rank sub-mesh of its own (a ``(pp, dp)``
+    mesh of shape ``(world, 1)``): the sharded distributor, whose layout gathers every
+    rank's view of sub-mesh parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    stage = make_stage(stage_of(rank, world))
+    fully_shard(stage, mesh=mesh["dp"])
+    opt = DistributedShampoo(stage.parameters(), lr=0.1, **config)
+    return attempt(opt, list(stage.parameters()))
+
+
+def equal(rank: int, world: int) -> dict:
+    """Every rank holds the same stage: it steps."""
+    stage = make_stage(0)
+    opt = DistributedShampoo(stage.parameters(), lr=0.1)
+    return attempt(opt, list(stage.parameters()))
+
+
+def settings(rank: int, world: int) -> dict:
+    """The same parameters, blocked otherwise on the last rank (max_preconditioner_dim)."""
+    stage = make_stage(0)
+    dim = 4 if rank == world - 1 else 1024
+    opt = DistributedShampoo(stage.parameters(), lr=0.1, max_preconditioner_dim=dim)
+    return attempt(opt, list(stage.parameters()))
+
+
+def added_group(rank: int, world: int) -> dict:
+    """The same stage everywhere and one step; then every rank adds a group of a shape
+    of its own: the next step refuses, nothing moves."""
+    stage = make_stage(0)
+    opt = DistributedShampoo(stage.parameters(), lr=0.1)
+    first = attempt(opt, list(stage.parameters()))
+    extra = torch.nn.Parameter(torch.zeros(3, 2 + rank))
+    opt.add_param_group({"params": [extra]})
+    result = attempt(opt, [*stage.parameters(), extra], seed=2)
+    result["first"] = first["outcome"]
+    return result
+
+
+def no_mesh(rank: int, world: int) -> dict:
+    """The same parameter on every rank, on a mesh of ranks [0, 1] only: the last rank of
+    a world of 3 holds no part of it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+    opt = DistributedShampoo([param], lr=0.1)
+    return attempt(opt, [param])
+
+
+SCENARIOS = {
+    2: {"pipeline_plain": pipeline_plain,
+        "pipeline_none": lambda r, w: pipeline_plain(r, w, distributed="none"),
+        "described_first": described_first,
+        "pipeline_sharded": pipeline_sharded,
+        "pipeline_sharded_local": lambda r, w: pipeline_sharded(r, w, fsdp_mode="local"),
+        "equal": equal, "settings": settings, "added_group": added_group},
+    3: {"pipeline_plain": pipeline_plain, "pipeline_sharded": pipeline_sharded,
+        "equal": equal, "no_mesh": no_mesh},
+}
+
+
+def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    join_gloo_world(rank, world, init_file)
+    results = {name: scenario(rank, world) for name, scenario in SCENARIOS[world].items()}
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
+        json.dump(results, file)
+    dist.destroy_process_group()

@@ -1,0 +1,206 @@
+"""Ranks that hold different parameters (pipeline stages) are refused with
+DistributedShampoo's own error on every rank, never a gloo abort or a hang
+(docs/parallelism.md#limits, ``distributors/agreement.py``).
+
+One spawn per world size (2 and 3 ranks, gloo) runs every scenario of
+``ranks_worker.py``; a spawn that outlives its deadline (a hang) or loses a rank to a signal
+(an abort) fails the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hf_shampoo.distributors import SingleProcessDistributor, agreement
+from tests import ranks_worker as worker
+from tests.helpers import one_thread_per_process
+
+pytestmark = pytest.mark.distributed
+
+DEADLINE = 120  # seconds for one world's spawn: many times what it takes (15 s), and a
+# hang never ends
+WAY_OUT = ("distributed='none'", "fsdp_mode='local'", "docs/parallelism.md#limits")
+
+
+def spawn_within(world: int, root: str) -> list[dict]:
+    """Every rank's results; fails on a rank killed by a signal (an abort) or still
+    running after ``DEADLINE`` seconds (a hang: the ranks are killed)."""
+    context = mp.spawn(worker.run_world, args=(world, os.path.join(root, "init"), root),
+                       nprocs=world, join=False)
+    deadline = time.monotonic() + DEADLINE
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{world} ranks still running after {DEADLINE} s: a hang")
+    return [json.load(open(os.path.join(root, f"rank{r}.json"))) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    with one_thread_per_process():
+        for world in (2, 3):
+            out[world] = spawn_within(world, str(tmp_path_factory.mktemp(f"w{world}")))
+    return out
+
+
+def refused(results: list[dict], scenario: str) -> list[str]:
+    """Every rank's error in ``scenario``: a ValueError, nothing changed."""
+    got = [r[scenario] for r in results]
+    assert all(g["outcome"].startswith("ValueError: DistributedShampoo") for g in got), got
+    assert all(g["unchanged"] for g in got), got
+    return [g["outcome"] for g in got]
+
+
+def test_pipeline_stages_are_refused_on_both_ranks(runs):
+    messages = refused(runs[2], "pipeline_plain")
+    for rank, message in enumerate(messages):
+        assert "rank 1 holds different parameters from rank 0" in message
+        assert "rank 0 holds 4 parameters to optimize, of shapes [(8, 6), (8,), (8, 8), (8,)]" \
+            in message
+        assert "rank 1 holds 4 parameters to optimize, of shapes [(4, 8), (4,), (2, 4), (2,)]" \
+            in message
+        assert "parameter 0 '0.weight' of shape (4, 8) float32 there" in message
+        assert f"This is rank {rank}; nothing was changed" in message
+        assert all(way in message for way in WAY_OUT), message
+    assert all(r["pipeline_plain"]["kind"] == "DataParallelDistributor" for r in runs[2])
+    # the check is not spent: the next step refuses again
+    assert [r["pipeline_plain"]["again"] for r in runs[2]] == messages
+
+
+def test_distributed_none_per_stage_steps(runs):
+    assert all(r["pipeline_none"]["outcome"] == "stepped" for r in runs[2])
+    assert all(r["pipeline_none"]["kind"] == "SingleProcessDistributor" for r in runs[2])
+
+
+def test_a_layout_built_on_one_rank_first_is_still_checked_at_the_step(runs):
+    messages = refused(runs[2], "described_first")
+    assert all("rank 1 holds different parameters from rank 0" in m for m in messages)
+
+
+def test_sharded_stages_on_sub_meshes_of_their_own_are_refused(runs):
+    messages = refused(runs[2], "pipeline_sharded")
+    for message in messages:
+        assert "rank 1 holds different parameters from rank 0" in message
+        assert "of shape (4, 8) float32 there, parameter 0 of shape (8, 6)" in message
+        assert all(way in message for way in WAY_OUT), message
+    assert all(r["pipeline_sharded_local"]["outcome"] == "stepped" for r in runs[2])
+    assert all(r["pipeline_sharded_local"]["kind"] == "LocalShardDistributor" for r in runs[2])
+
+
+def test_three_ranks_name_the_one_that_differs(runs):
+    for scenario in ("pipeline_plain", "pipeline_sharded"):
+        for rank, message in enumerate(refused(runs[3], scenario)):
+            assert "rank 2 holds different parameters from ranks 0, 1" in message
+            assert "ranks 0, 1 hold 4 parameters to optimize" in message
+            assert "Rank 2 differs from rank 0 first at its parameter 0" in message
+            assert f"This is rank {rank};" in message
+
+
+def test_ranks_holding_the_same_parameters_step(runs):
+    for world in (2, 3):
+        assert all(r["equal"] == {"outcome": "stepped", "unchanged": False,
+                                  "kind": "DataParallelDistributor"} for r in runs[world])
+
+
+def test_the_same_parameters_blocked_otherwise_are_refused(runs):
+    for message in refused(runs[2], "settings"):
+        assert "rank 1 holds different parameters from rank 0" in message
+        assert "blocked as" in message and "max_preconditioner_dim" in message
+
+
+def test_groups_added_with_different_shapes_are_refused_at_the_next_step(runs):
+    assert all(r["added_group"]["first"] == "stepped" for r in runs[2])
+    for message in refused(runs[2], "added_group"):
+        assert "agree on their first 4 parameters" not in message
+        assert "parameter 4 of shape (3, 3) float32 there" in message
+
+
+def test_a_parameter_held_by_no_mesh_on_some_rank_is_refused_everywhere(runs):
+    for message in refused(runs[3], "no_mesh"):
+        assert "held by no mesh on ranks [2] (its mesh has ranks [0, 1])" in message
+        assert all(way in message for way in WAY_OUT), message
+
+
+def test_the_message_of_differing_plans():
+    """``agreement.message`` alone: counts, the first difference, a parameter only one
+    rank has."""
+    def entry(index, shape, mesh=None):
+        param = [list(shape), "float32"] + ([mesh, ["Shard(dim=0)"]] if mesh else [])
+        return {"index": index, "name": None, "param": param,
+                "blocks": [[list(shape), 0, "float32", "()", 1.0]]}
+
+    a = {"count": 2, "entries": [entry(0, (4, 4)), entry(1, (4,))]}
+    b = {"count": 3, "entries": [entry(0, (4, 4)), entry(1, (4,)), entry(2, (2,))]}
+    text = agreement.message([a, a, b], [(2, 1), (2, 1), (3, 2)], [0, 1, 2], me=1)
+    assert text.startswith("DistributedShampoo: rank 2 holds different parameters from "
+                           "ranks 0, 1")
+    assert "rank 2 has more, from parameter 2 of shape (2,) float32" in text
+    assert "This is rank 1;" in text
+    c = {"count": 2, "entries": [entry(0, (4, 4), [0, 1]), entry(1, (4,))]}
+    d = {"count": 2, "entries": [entry(0, (4, 4), {"sub-mesh": [1]}), entry(1, (4,))]}
+    text = agreement.message([c, d], [(2, 1), (2, 2)], [0, 1], me=0)
+    assert ("on a sub-mesh of shape (1,) placed (Shard(dim=0)) there, parameter 0 of shape "
+            "(4, 4) float32 on mesh ranks [0, 1] placed (Shard(dim=0)) on rank 0") in text
+
+
+def test_one_process_and_planners_check_nothing():
+    from hf_shampoo import DistributedShampoo
+
+    param = torch.nn.Parameter(torch.ones(4, 3))
+    opt = DistributedShampoo([param], lr=0.1)
+    param.grad = torch.ones(4, 3)
+    opt.step()
+    assert opt._layout.plan.agreed and not opt.distributor.needs_agreement()
+
+
+class _Checked(SingleProcessDistributor):
+    """One process that checks as a sharded distributor on sub-meshes would: before
+    ``assign``, at every layout."""
+
+    def needs_agreement(self) -> bool:
+        return True
+
+    def collective_layout(self, params) -> bool:
+        return True
+
+
+def test_a_refused_layout_change_changes_nothing(monkeypatch):
+    """Where the check runs while laying out (``collective_layout``), a refused new group
+    is not added, and a refused rebuild keeps the old layout and distributor."""
+    from hf_shampoo import DistributedShampoo
+
+    refuse = {"above": 1}
+
+    def check(plan, group=None, device=None):
+        if len(plan.entries) > refuse["above"]:
+            raise ValueError("DistributedShampoo: refused (test)")
+
+    monkeypatch.setattr(agreement, "check", check)
+    param = torch.nn.Parameter(torch.ones(4, 3))
+    opt = DistributedShampoo([param], lr=0.1)
+    opt.distributor = distributor = _Checked()
+    param.grad = torch.ones(4, 3)
+    opt.step()
+    layout, state = opt._layout, {k: dict(v) for k, v in opt.state_dict()["state"].items()}
+    extra = torch.nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(ValueError, match="refused"):
+        opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 1 and len(opt._constructed) == 1
+    assert opt._layout is layout and len(layout.plan.entries) == 1 and layout.plan.agreed
+    assert opt.distributor is distributor
+    for index, entry in opt.state_dict()["state"].items():
+        assert all(torch.equal(t, state[index][k]) for k, t in entry.items())
+    # a rebuild (the parameters swapped, as Accelerate does) that is refused
+    refuse["above"] = 0
+    opt.param_groups[0]["params"] = [torch.nn.Parameter(torch.ones(4, 3))]
+    with pytest.raises(ValueError, match="refused"):
+        opt._ensure_layout()
+    assert opt._layout is layout and opt.distributor is distributor
