@@ -64,7 +64,7 @@ def regressions() -> list[dict]:
     ``(dp_shard 2, tp 2)`` mesh under Shampoo (vectors with Kronecker factors), 4-bit
     Shampoo and SOAP, resumed through DCP at step 5; a ``(17,)`` vector sharded twice on
     dim 0 under 4-bit Shampoo; a ``(24, 2)`` matrix placed ``(_StridedShard(0, sf=2),
-    Shard(0))`` under SOAP with blocks of 8."""
+    Shard(0))`` under SOAP with blocks of 8; 4-bit SOAP's staggered QR refreshes."""
     split = {"tp": 2, "dp_replicate": 1, "dp_shard": 2, "shard_blocks": False}
     layers = [("mlp", 32, True, False), ("norm", "layer", False)] * 2 + [("head", 8, True)]
     start = dict(max_preconditioner_dim=32, start_preconditioning_step=3,
@@ -88,6 +88,13 @@ def regressions() -> list[dict]:
                     "names": ["p0"], "shapes": [shape],
                     "layout": {"mesh": mesh, "where": [(("dp_shard", "tp"), where)]},
                     "no_grad": {}, "config": config})
+    # 4-bit SOAP refreshing by QR with staggered schedules: a (70,) vector's 9 blocks, 4
+    # owners; an owner's stack held no first decomposition where one process's did
+    staggered = {**lc.KINDS["soap_4bit"], "kind": "soap_4bit", "lr": 0.03,
+                 "max_preconditioner_dim": 8, "precondition_frequency": 3}
+    out.append({"seed": 90_020, "world": 4, "kind": "soap_4bit", "steps": 5, "names": ["p0"],
+                "shapes": [(70,)], "layout": {"mesh": mesh, "where": [None]}, "no_grad": {},
+                "config": staggered})
     return [case | {"base_seed": "regression"} for case in out]
 
 

@@ -39,3 +39,54 @@ def test_multi_mode_product_matches_einsum(shape, transpose):
     partial = kronecker.multi_mode_product(x, [None] + mats[1:], transpose)
     if len(shape) == 1:
         torch.testing.assert_close(partial, x)
+
+
+def _stack_sizes_agree(fn, rows: torch.Tensor, *others: torch.Tensor) -> bool:
+    """``fn`` of a stack, row by row, equals ``fn`` of each smaller stack holding that row
+    (1, 2 and 3 rows from several starts), bit for bit."""
+    whole = fn(rows, *others)
+    for size in (1, 2, 3):
+        for start in range(0, rows.shape[0] - size + 1, 2):
+            part = fn(rows[start:start + size], *(o[start:start + size] for o in others))
+            if not torch.equal(part, whole[start:start + size]):
+                return False
+    return True
+
+
+def _generated_shapes(seed: int, count: int):
+    """Seeded block shapes: 1-D to 4-D, vectors up to 70 long (one-column products round
+    by stack size from 31 on with bmm), size-1 dims."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        order = rng.choice([1, 1, 2, 3, 4])
+        yield tuple(rng.choice([1, 2, 3, 7, 16, 31, 33, 70] if order == 1 else [1, 2, 3, 5, 8])
+                    for _ in range(order))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_products_do_not_depend_on_the_other_blocks_of_their_stack(seed):
+    """A block's factor update and preconditioning give the same bits whatever else is
+    stacked with it: the lossless distributors stack only an owner's own blocks, one
+    process stacks every same-shape block (docs/design.md §8)."""
+    from tests.helpers import TEST_DEVICE
+
+    gen = torch.Generator().manual_seed(seed)
+    for shape in _generated_shapes(seed, 8):
+        for dtype in (torch.float32, torch.float64):
+            g = torch.randn(7, *shape, generator=gen, dtype=dtype).to(TEST_DEVICE)
+            for j, d in enumerate(shape):
+                f = torch.randn(7, d, d, generator=gen, dtype=dtype).to(TEST_DEVICE)
+                for beta in (0.0, 0.9, 1.0):
+                    assert _stack_sizes_agree(
+                        lambda g, f, j=j, beta=beta: kronecker.update_factor(
+                            f.clone(), g, j, beta), g, f), (shape, j, beta, dtype)
+                assert _stack_sizes_agree(lambda g, f, j=j: kronecker.mode_product(g, f, j),
+                                          g, f), (shape, j, dtype)
+            mats = [torch.randn(7, d, d, generator=gen, dtype=dtype).to(TEST_DEVICE)
+                    for d in shape]
+            for transpose in (False, True):
+                assert _stack_sizes_agree(
+                    lambda g, *m, t=transpose: kronecker.multi_mode_product(g, list(m), t),
+                    g, *mats), (shape, transpose, dtype)
