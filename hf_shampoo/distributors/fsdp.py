@@ -402,7 +402,7 @@ class ShardedDistributor(Distributor):
     def any_rank(self, flag: bool) -> bool:
         return world_any(flag, self._device)
 
-    def stacked_grads(self, stack, active: list[int], writes: bool = False) -> Tensor:
+    def stacked_grads(self, stack, active: list[int]) -> Tensor:
         buffer = stack.gathered_grad
         return buffer if len(active) == len(stack.members) else buffer[active]
 
