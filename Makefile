@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo demo-digits lint clean
+.PHONY: venv test test-fast reference-suites demo demo-digits lint clean
 
 venv: $(STAMP)
 
@@ -16,8 +16,24 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -e '.[dev]'
 	touch $@
 
+# Our suite, then torch's and timm's own optimizer suites: a failure in any fails the run.
 test: venv
 	$(PY) -m pytest -q --durations=15
+	@$(MAKE) --no-print-directory reference-suites
+
+# torch's TestOptimRenewed and timm's tests/test_optim.py, run against hf_shampoo from
+# copies outside the repository (tests/reference_suites/README.md). torch's test file is
+# not in its wheel: it is looked for next to the clone, as CI places it.
+TORCH_OPTIM_TESTS ?= ../shared/pytorch-test-optim
+reference-suites: venv
+	@if [ -d "$(TORCH_OPTIM_TESTS)" ]; then \
+	    echo "torch's optimizer suite from $(TORCH_OPTIM_TESTS)"; \
+	    PY="$(abspath $(PY))" tests/reference_suites/run.sh torch "$(TORCH_OPTIM_TESTS)"; \
+	else \
+	    echo "no $(TORCH_OPTIM_TESTS): torch's own optimizer suite is skipped" \
+	         "(its test/test_optim.py is not in the wheel; tests/reference_suites/README.md)"; \
+	fi
+	PY="$(abspath $(PY))" tests/reference_suites/run.sh timm
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"

@@ -175,19 +175,17 @@ def _event_itemsize(event) -> int:
                 if isinstance(s, list) and s and d), default=4)
 
 
-def budget(kind: str, shapes, fresh: bool = False) -> list[dict]:
-    """One profiled steady step: per (stage, operator), calls, elements moved, bytes.
-    ``fresh``: the step's gradients are new tensors (as after ``zero_grad()``, which frees
-    them), else the ones the last step saw, accumulated in place (``set_to_none=False``)."""
-    opt, params = make(kind, shapes)
+def budget(kind: str, shapes) -> list[dict]:
+    """One profiled steady step: per (stage, operator), calls, elements moved, bytes. The
+    step reads the gradients and never touches them, so whether they are the tensors the
+    last step saw (``zero_grad(set_to_none=False)``) or new ones (``zero_grad()``) changes
+    nothing here: they are stacked by one copy either way."""
+    opt, _ = make(kind, shapes)
     opt.step()  # the state
     for group in opt.param_groups:
         group["step"] = F - 1
     opt.step()  # the first refresh (as benchmarks/ab_step_time.py)
     opt.step()  # a steady step
-    if fresh:
-        for p in params:
-            p.grad = p.grad.clone()
     with stages_labelled(opt), profile(activities=[ProfilerActivity.CPU],
                                        record_shapes=True) as prof:
         opt.step()
@@ -242,9 +240,6 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
-    parser.add_argument("--fresh-gradients", action="store_true",
-                        help="new gradient tensors before the step (as zero_grad() leaves "
-                             "them: the Trainer); default: kept and accumulated in place")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     shapes = hidden_shapes(args.layers, args.width)
@@ -252,11 +247,9 @@ def main(argv=None) -> None:
     print(f"`{command_line()}`; {hardware()}\n")
     print(f"GPT-2 hidden matrices ({args.layers} layers, width {args.width}; {len(shapes)} "
           f"matrices, {total:,} float32 elements = {total * 4 / 1e6:.1f} MB of gradients); "
-          "one steady step in one process; gradients "
-          + ("new tensors (`zero_grad()`)" if args.fresh_gradients else
-             "kept between steps (`zero_grad(set_to_none=False)`)") + "\n")
+          "one steady step in one process\n")
     for kind in args.kinds:
-        print(table(kind, budget(kind, shapes, args.fresh_gradients), total), flush=True)
+        print(table(kind, budget(kind, shapes), total), flush=True)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],
         full = len(active) == len(stack.members)
         state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
         l2 = group["weight_decay"] > 0 and group["weight_decay_type"] == "l2"
-        grad = distributor.stacked_grads(stack, active, l2 or kind_of(group).writes_gradient)
+        grad = distributor.stacked_grads(stack, active)
         if l2:
             add_rows(grad, param_rows(stack, active), group["weight_decay"])
         jobs.append((stack, _plan(stack, group, steps[stack.group_index], active, state, grad)))

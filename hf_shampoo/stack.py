@@ -15,8 +15,8 @@ kind) and the shared ``stages``. State names (also the checkpoint keys, see
 - ``iterate_offset``: ``D = z - y`` (iterate averaging, ``averaging.py``)
 
 Intermediate results of a step live in a ``Workspace`` shared by all stacks, and the
-stacked gradients in a buffer per stack (which whole-parameter gradients become views of,
-``Distributor.stacked_grads``), so that a steady step allocates next to nothing.
+stacked gradients in a buffer per stack (a copy: ``Distributor.stacked_grads``), so that a
+steady step allocates next to nothing.
 """
 
 from __future__ import annotations
@@ -153,10 +153,6 @@ class BlockStack:
     # per member: steps by which its refresh schedule is delayed (refresh_schedule)
     refresh_offsets: list[int] = field(default_factory=list)
     gathered_grad: Tensor | None = field(default=None, repr=False)  # reused every step
-    # whether the members' gradients were made views of gathered_grad at the last step, and
-    # how many steps in a row found them replaced since (Distributor.stacked_grads)
-    grads_viewed: bool = field(default=False, repr=False)
-    view_misses: int = field(default=0, repr=False)
     gathered_param: Tensor | None = field(default=None, repr=False)  # FSDP owners: weights
     # what differs from the group for these blocks (vector_preconditioner's settings)
     overrides: dict = field(default_factory=dict)

@@ -1,8 +1,10 @@
-"""No copy where a view serves: weight decay reads the parameters through views, and
-gradients become views of their stack's buffer (as DDP's buckets). Neither may change a
-number: decay from views equals decay from a stack bit for bit, a step with gradients kept
-between steps (``zero_grad(set_to_none=False)``) equals one with fresh gradients (one
-process and DDP), and the user's gradients never change."""
+"""Views of the parameters, never of the gradients: weight decay reads the parameters
+through views (``param_rows``, ``stages.add_rows``), the same bits as decay from a stack;
+the step stacks a copy of the gradients and never touches ``p.grad`` (torch's contract):
+after any number of steps each gradient is the same tensor, with the same ``_version`` and
+values, for Shampoo, SOAP, the Muon recipe and L2 decay, with gradients kept between steps
+(``zero_grad(set_to_none=False)``) or fresh ones, in one process and under 2-rank DDP; kept
+gradients train bit for bit as fresh ones."""
 
 import os
 import tempfile
@@ -22,6 +24,8 @@ MUON = dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.95**2,
 SHAMPOO = dict(grafting="adam", weight_decay=0.01, momentum=0.9, nesterov=True, lr=0.01,
                precondition_frequency=2, start_preconditioning_step=2,
                max_preconditioner_dim=256)
+SOAP = dict(preconditioner="eigenvalue_corrected", weight_decay=0.01, lr=0.003,
+            precondition_frequency=2, max_preconditioner_dim=256, epsilon=1e-8)
 
 
 @pytest.mark.unit
@@ -48,11 +52,14 @@ def _model(seed=0, device="cpu"):
 
 
 def _train(config, set_to_none, steps=6, unused_at=3, device="cpu"):
-    """Trains on fixed batches; at step ``unused_at`` the third layer gets no gradient (its
+    """Trains on fixed batches, checking after every step that each gradient is the tensor
+    backward left (with ``set_to_none=False``: the one of the first backward), unchanged in
+    ``_version`` and values; at step ``unused_at`` the third layer gets no gradient (its
     stack's other block does)."""
     model = _model(device=device)
     opt = DistributedShampoo(model.parameters(), **config)
     gen = torch.Generator().manual_seed(1)
+    first = None
     for step in range(steps):
         x = torch.randn(32, 96, generator=gen).to(device)
         opt.zero_grad(set_to_none=set_to_none)
@@ -61,71 +68,75 @@ def _train(config, set_to_none, steps=6, unused_at=3, device="cpu"):
             model[6](model[5](model[:4](x))).square().mean().backward()
         else:
             model(x).square().mean().backward()
-        before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-        opt.step()
-        after = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-        assert all((a is None and b is None) or torch.equal(a, b)
-                   for a, b in zip(before, after)), "the step changed a gradient"
+        _step_leaves_gradients_alone(model, opt)
+        # the layer whose gradient the loop set to None has a new one after
+        grads = [p.grad for p in model.parameters() if p is not model[4].weight]
+        first = first or grads
+        if not set_to_none:
+            assert all(a is b for a, b in zip(grads, first)), "a gradient was replaced"
     return model, opt
+
+
+def _step_leaves_gradients_alone(model, opt):
+    """One ``opt.step()``, and the assertion that every ``p.grad`` is the tensor it was
+    before, with the same ``_version`` and values."""
+    grads = [p.grad for p in model.parameters()]
+    seen = [None if g is None else (g._version, g.clone()) for g in grads]
+    opt.step()
+    for p, grad, before in zip(model.parameters(), grads, seen):
+        assert p.grad is grad, "the step replaced a gradient"
+        if grad is not None:
+            assert grad._version == before[0], "the step wrote into a gradient"
+            assert torch.equal(grad, before[1]), "the step changed a gradient"
 
 
 @pytest.mark.unit
 @pytest.mark.device
-@pytest.mark.parametrize("config", [MUON, SHAMPOO, dict(SHAMPOO, weight_decay_type="l2")],
-                         ids=["muon", "shampoo", "shampoo_l2"])
-def test_kept_gradients_train_as_fresh_ones(config):
-    """``zero_grad(set_to_none=False)``: autograd accumulates into the views, the step
-    stacks nothing, and every number equals a run whose gradients are fresh each step."""
-    kept, opt = _train(config, set_to_none=False, device=TEST_DEVICE)
+@pytest.mark.parametrize("config", [MUON, SHAMPOO, SOAP, dict(SHAMPOO, weight_decay_type="l2")],
+                         ids=["muon", "shampoo", "soap", "shampoo_l2"])
+def test_kept_gradients_train_as_fresh_ones_and_stay_the_users(config):
+    """``zero_grad(set_to_none=False)``: every gradient stays the user's one tensor, which
+    the step only reads, and every number equals a run whose gradients are fresh each
+    step."""
+    kept, _ = _train(config, set_to_none=False, device=TEST_DEVICE)
     fresh, _ = _train(config, set_to_none=True, device=TEST_DEVICE)
     assert_bitwise(list(kept.parameters()), list(fresh.parameters()))
-    views = [p.grad._base is not None for p in kept.parameters()]
-    # L2 decay writes into the stacked gradients: they stay the user's own tensors
-    assert all(views) if config.get("weight_decay_type") != "l2" else not any(views)
+    assert all(p.grad._base is None for p in kept.parameters())
 
 
 @pytest.mark.unit
-def test_views_are_made_only_where_the_layout_allows():
+def test_no_layout_touches_a_gradient():
+    """A channels_last weight, one cut into several blocks, a bfloat16 gradient of a float32
+    stack, a gradient that is a view of someone else's buffer (a DDP bucket) and a plain
+    one: after steps each ``p.grad`` is the same tensor, version and values."""
     conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
     big = nn.Parameter(torch.randn(300, 40))  # cut into blocks of 128 rows
     half = nn.Parameter(torch.randn(40, 30, dtype=torch.bfloat16))
     plain = nn.Parameter(torch.randn(37, 30))
-    shared = torch.zeros(41 * 30 + 5)  # someone else's buffer (a DDP bucket)
-    params = [conv.weight, big, half, plain]
-    opt = DistributedShampoo(params + [shared_param := nn.Parameter(torch.randn(41, 30))],
-                             grafting="adam", max_preconditioner_dim=128, lr=0.01)
-    for p in params:
+    bucketed = nn.Parameter(torch.randn(41, 30))
+    bucket = torch.zeros(41 * 30 + 5)
+    params = [conv.weight, conv.bias, big, half, plain, bucketed]
+    opt = DistributedShampoo(params, grafting="adam", max_preconditioner_dim=128, lr=0.01,
+                             precondition_frequency=2, start_preconditioning_step=2)
+    for p in params[:-1]:
         p.grad = torch.randn_like(p)
-    shared_param.grad = shared[5:].view(41, 30)
-    shared_param.grad.normal_()
-    values = [p.grad.clone() for p in params + [shared_param]]
-    opt.step()
-    assert conv.weight.grad._base is None  # channels_last
-    assert big.grad._base is None  # several blocks
-    assert half.grad._base is None  # bfloat16 gradient, float32 stack
-    assert shared_param.grad._base is shared  # stays the bucket's view
-    assert_bitwise([p.grad for p in params + [shared_param]], values)
-    # a gradient replaced after a view was made is read (and viewed) again
-    assert plain.grad._base is not None
-    plain.grad = torch.full_like(plain, 2.0)
-    opt.step()
-    assert plain.grad._base is not None and bool((plain.grad == 2.0).all())
+    bucketed.grad = bucket[5:].view(41, 30)
+    bucketed.grad.normal_()
+    grads = [p.grad for p in params]
+    for _ in range(4):
+        seen = [(g._version, g.clone()) for g in grads]
+        opt.step()
+        assert all(p.grad is g for p, g in zip(params, grads))
+        assert [g._version for g in grads] == [v for v, _ in seen]
+        assert_bitwise(grads, [c for _, c in seen])
+    assert bucketed.grad._base is bucket and all(g._base is None for g in grads[:-1])
 
 
 @pytest.mark.unit
-def test_fresh_gradients_stop_being_viewed_and_a_switch_to_l2_copies():
-    """New gradient tensors every step (``zero_grad()``): after two such steps no view is
-    made any more. Views kept, then L2 decay switched on: the step stacks a copy and the
-    user's gradients stay as they were, with the numbers of fresh gradients."""
-    fresh_model = _model()
-    opt = DistributedShampoo(fresh_model.parameters(), **MUON)
+def test_a_switch_to_l2_decay_leaves_the_gradients_alone():
+    """L2 decay switched on between steps writes into the stacked copy, never into
+    ``p.grad``: kept and fresh gradients give the same numbers."""
     x = torch.randn(8, 96, generator=torch.Generator().manual_seed(2))
-    for _ in range(4):
-        opt.zero_grad()
-        fresh_model(x).square().mean().backward()
-        opt.step()
-    assert not any(p.grad._base is not None for p in fresh_model.parameters())
-
     runs = []
     for set_to_none in (False, True):
         model = _model()
@@ -136,41 +147,47 @@ def test_fresh_gradients_stop_being_viewed_and_a_switch_to_l2_copies():
                     group["weight_decay_type"] = "l2"
             opt.zero_grad(set_to_none=set_to_none)
             model(x).square().mean().backward()
-            grads = [p.grad.clone() for p in model.parameters()]
-            opt.step()
-            assert_bitwise([p.grad for p in model.parameters()], grads)
+            _step_leaves_gradients_alone(model, opt)
         runs.append(list(model.parameters()))
     assert_bitwise(*runs)
 
 
-def _ddp_worker(rank, world, init_file, out_dir):
+def _ddp_worker(rank, world, init_file, out_dir, set_to_none):
     join_gloo_world(rank, world, init_file)
     model = _model()
     opt = DistributedShampoo(model.parameters(), distributed="ddp", **MUON)
     gen = torch.Generator().manual_seed(1)
+    first = None
     for _ in range(4):
         x = torch.randn(32, 96, generator=gen)  # the same batch on every rank
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         model(x).square().mean().backward()
-        opt.step()
+        _step_leaves_gradients_alone(model, opt)
+        first = first or [p.grad for p in model.parameters()]
+        if not set_to_none:
+            assert all(p.grad is g for p, g in zip(model.parameters(), first))
     torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_ddp_with_kept_gradients_equals_one_process():
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["kept", "fresh"])
+def test_ddp_leaves_gradients_alone_and_equals_one_process(set_to_none):
+    """2 ranks: every rank's gradients are the user's, untouched by the step; the
+    parameters equal one process's, kept or fresh gradients."""
     torch.set_num_threads(1)
     model = _model()
     opt = DistributedShampoo(model.parameters(), **MUON)
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
         x = torch.randn(32, 96, generator=gen)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         model(x).square().mean().backward()
         opt.step()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_ddp_worker, args=(2, os.path.join(out_dir, "init"), out_dir), nprocs=2)
+        mp.spawn(_ddp_worker, args=(2, os.path.join(out_dir, "init"), out_dir, set_to_none),
+                 nprocs=2)
         for rank in range(2):
             assert_bitwise(torch.load(os.path.join(out_dir, f"{rank}.pt")),
                            [p.detach() for p in model.parameters()])

@@ -96,6 +96,32 @@ def test_partial_placement_is_refused_before_any_state(one_rank_group):
         DistributedShampoo([param])
 
 
+def test_a_partial_gradient_is_read_summed_and_left_as_it_is(one_rank_group):
+    """A gradient left as a ``Partial`` sum (a tensor-parallel backward) is redistributed
+    to its parameter's placements for the step, into a tensor of the step's own: ``p.grad``
+    stays the same tensor, placements, version and values, and the step equals one given
+    the summed gradient."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    params = [_dtensor((6, 4), [Replicate()]) for _ in range(2)]
+    params[1].data.copy_(params[0].data)
+    gen = torch.Generator().manual_seed(0)
+    opts = [DistributedShampoo([p], lr=0.1, grafting="adam", precondition_frequency=2,
+                               start_preconditioning_step=2) for p in params]
+    for _ in range(3):
+        local = torch.randn(6, 4, generator=gen)
+        mesh = params[0].device_mesh
+        partial = DTensor.from_local(local.clone(), mesh, [Partial()])
+        params[0].grad = partial
+        params[1].grad = DTensor.from_local(local.clone(), mesh, [Replicate()])
+        version = partial._version
+        for opt in opts:
+            opt.step()
+        assert params[0].grad is partial and partial.placements == (Partial(),)
+        assert partial._version == version and torch.equal(partial.to_local(), local)
+    assert torch.equal(params[0].to_local(), params[1].to_local())
+
+
 def test_local_mode_refuses_tensor_parallel_placements(one_rank_group):
     from torch.distributed.tensor import Shard
 

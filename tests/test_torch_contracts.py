@@ -1,5 +1,6 @@
-"""The contracts of ``torch.optim.Optimizer`` that tools rely on: copies that continue
-exactly, state-dict hooks, saved parameter names, clear errors for unknown keywords."""
+"""The contracts of ``torch.optim.Optimizer`` that tools rely on: a step never touches the
+user's gradients, copies continue exactly, state-dict hooks, saved parameter names, clear
+errors for unknown keywords."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
+from hf_shampoo.preconditioners import KINDS, QUANTIZED_KINDS
 from tests.helpers import generator
 
 pytestmark = pytest.mark.reference
@@ -35,6 +37,60 @@ def _train(model, opt, steps, seed):
 
 def _pickled(obj):
     return pickle.loads(pickle.dumps(obj))
+
+
+#: every preconditioner kind (vectors by Adam where a kind takes matrices only), its 4-bit
+#: form where it has one, and the configurations that write into the stacked gradients
+EVERY_KIND = {name: dict(preconditioner=name, vector_preconditioner="diagonal")
+              for name in KINDS}
+EVERY_KIND.update({f"{name}, 4bit": dict(preconditioner=name, quantization="4bit")
+                   for name in QUANTIZED_KINDS})
+EVERY_KIND["shampoo, l2 decay"] = dict(weight_decay=0.01, weight_decay_type="l2",
+                                       grafting="adam")
+EVERY_KIND["shampoo, decay, nesterov"] = dict(weight_decay=0.01, momentum=0.9,
+                                              nesterov=True, grafting="adam")
+
+
+def _adapted_params():
+    """A LoRA-adapted layer (peft's names, so that ``riemannian_lora`` pairs its factors),
+    its bias and a head."""
+    gen = generator(0)
+    shapes = {"base.weight": (12, 5), "base.bias": (12,), "base.lora_A.default.weight": (2, 5),
+              "base.lora_B.default.weight": (12, 2), "head.weight": (3, 12)}
+    return {name: torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.3)
+            for name, shape in shapes.items()}
+
+
+def _adapted_loss(p, x):
+    weight = p["base.weight"] + p["base.lora_B.default.weight"] @ p["base.lora_A.default.weight"]
+    return (torch.tanh(x @ weight.T + p["base.bias"]) @ p["head.weight"].T).square().mean()
+
+
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["kept", "fresh"])
+@pytest.mark.parametrize("config", list(EVERY_KIND.values()), ids=list(EVERY_KIND))
+def test_a_step_never_replaces_or_writes_a_gradient(config, set_to_none):
+    """torch's ``test_grads_are_never_inplaced_into`` for every kind, over steps past a
+    refresh: after ``step()`` every ``p.grad`` is the tensor it was, with its ``_version``
+    and its values. With ``zero_grad(set_to_none=False)`` between steps it is one tensor
+    from the first backward to the last step, as with torch's optimizers."""
+    params = _adapted_params()
+    opt = DistributedShampoo(list(params.items()), lr=0.01, precondition_frequency=2,
+                             start_preconditioning_step=2, **config)
+    x = torch.randn(7, 5, generator=generator(1))
+    first = None
+    for _ in range(5):
+        opt.zero_grad(set_to_none=set_to_none)
+        _adapted_loss(params, x).backward()
+        grads = {name: p.grad for name, p in params.items()}
+        first = first or grads
+        seen = {name: (g._version, g.clone()) for name, g in grads.items()}
+        opt.step()
+        for name, p in params.items():
+            assert p.grad is grads[name], f"step() replaced {name}'s gradient"
+            assert p.grad._version == seen[name][0], f"step() wrote into {name}'s gradient"
+            assert torch.equal(p.grad, seen[name][1]), name
+            if not set_to_none:
+                assert p.grad is first[name], f"{name}'s gradient is not the one it was"
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

@@ -49,9 +49,6 @@ def greedy_assignment(costs: Sequence[float], num_ranks: int) -> list[int]:
 
 #: in ``active_members``' list of non-finite gradients: another rank found one
 OTHER_RANK = -1
-#: steps in a row that find a stack's gradient views replaced (``zero_grad()`` frees
-#: gradients) before ``stacked_grads`` stops making them views
-VIEW_MISSES = 2
 
 
 class Distributor:
@@ -150,41 +147,15 @@ class Distributor:
         the parameters, for the stacks where ``needs_params(stack)``). Every rank holds
         its blocks' inputs already unless a subclass says otherwise: nothing to do."""
 
-    def stacked_grads(self, stack, active: list[int], writes: bool = False) -> Tensor:
-        """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype.
-
-        ``writes``: whether the step writes into the result (L2 weight decay, a kind that
-        rewrites gradients). Otherwise, where a stack's blocks are whole parameters with
-        plain contiguous gradients of the work dtype, the gradients become views of the
-        stack's buffer once it is filled, as DDP's ``gradient_as_bucket_view`` makes them
-        views of its buckets: a gradient accumulated in place (``zero_grad(set_to_none=
-        False)``) is then stacked without a copy, and the one autograd allocated is freed.
-        Gradients found replaced at two steps in a row (``zero_grad()`` frees them: the
-        Trainer) are not made views again. The values the user sees never change."""
-        grad_of = lambda p: self.local(p.grad)  # noqa: E731
-        if len(active) != len(stack.members):
-            return _stacked(stack, active, grad_of)
-        buffer = stack_buffer(stack, "gathered_grad")
-        in_place = [False] * len(active)
-        if stack.grads_viewed:  # some gradients may still be views of the buffer
-            in_place = _viewing_rows(stack, buffer)
-            stack.view_misses = 0 if all(in_place) else stack.view_misses + 1
-        if all(in_place) and not writes:
-            return buffer  # accumulated into the views: nothing to copy
-        if any(in_place) and writes:  # the user's gradients must not change: a copy
-            return _stacked(stack, active, grad_of)
-        if not any(in_place):
-            _stacked(stack, active, grad_of, buffer)
-        else:  # some gradients were replaced since: copy only those
-            for row, piece, ok in zip(buffer, _pieces(stack, active, grad_of), in_place):
-                if not ok:
-                    row.copy_(piece)
-        # gradients that are new tensors at every step (zero_grad(), the Trainer's) are
-        # not made views again after two such steps in a row: nothing to gain there
-        viewed = (not writes and stack.view_misses < VIEW_MISSES
-                  and _view_gradients(stack, buffer, self.local, in_place))
-        stack.grads_viewed = viewed or any(in_place)
-        return buffer
+    def stacked_grads(self, stack, active: list[int]) -> Tensor:
+        """The gradients of ``active`` members, ``(m, *shape)`` in the work dtype: a copy
+        (into the stack's persistent buffer when every member is active), which the step
+        may write into (L2 decay, ``riemannian_lora``). ``p.grad`` is only read: the step
+        never replaces, reassigns or writes a gradient (torch's contract, which
+        ``tests/test_torch_contracts.py`` and torch's own suite check)."""
+        full = len(active) == len(stack.members)
+        return _stacked(stack, active, lambda p: self.local(p.grad),
+                        stack_buffer(stack, "gathered_grad") if full else None)
 
     def param_rows(self, stack, active: list[int]) -> list[Tensor]:
         """The parameter blocks of ``active`` members, one tensor of the stack's block shape
@@ -280,37 +251,6 @@ def stack_buffer(stack, name: str) -> Tensor:
         buffer = torch.empty(shape, dtype=stack.work_dtype, device=stack.device)
         setattr(stack, name, buffer)
     return buffer
-
-
-def _viewing_rows(stack, buffer: Tensor) -> list[bool]:
-    """Per member: whether its parameter's gradient is (still) the view of its buffer row."""
-    rows = []
-    for row, block in zip(buffer, stack.members):
-        grad = block.param.grad
-        rows.append(grad is not None and grad._base is buffer
-                    and grad.data_ptr() == row.data_ptr() and grad.numel() == row.numel())
-    return rows
-
-
-def _view_gradients(stack, buffer: Tensor, local, in_place: list[bool]) -> bool:
-    """Make every member's gradient the view of its row of ``buffer`` (filled with the same
-    values), where the blocks are whole parameters with plain contiguous gradients of the
-    buffer's dtype that are no one else's views (DDP's bucket views stay DDP's);
-    ``in_place``: the members whose gradient is that view already. Whether it did."""
-    for block, viewing in zip(stack.members, in_place):
-        param, grad = block.param, block.param.grad
-        if viewing:
-            continue
-        if (block.slices is not None or grad is None or local(grad) is not grad
-                or grad.dtype != buffer.dtype or grad.device != buffer.device
-                or grad._base is not None or grad.requires_grad
-                or not param.is_contiguous() or not grad.is_contiguous()):
-            return False
-    with torch.no_grad():
-        for row, block, viewing in zip(buffer, stack.members, in_place):
-            if not viewing:
-                block.param.grad = row.view(block.param.shape)
-    return True
 
 
 def _pieces(stack, active: list[int], tensor_of) -> list[Tensor]:

@@ -166,6 +166,9 @@ class ShardedDistributor(Distributor):
         self.directions_in: list[tuple[int, Piece]] = []  # (owner rank, piece) I hold
         self.local_pieces: list[Piece] = []  # parts of my blocks that I hold myself
         self.bytes_last_step = 0  # sent + received by this rank in the last step
+        # this step's gradients placed as their parameters, where ``p.grad`` is not (a
+        # ``Partial`` sum): read instead of ``p.grad``, which a step never replaces
+        self.placed_grads: dict[int, Tensor] = {}
         self._device = torch.device("cpu")
 
     def global_rank_and_world(self) -> tuple[int, int]:
@@ -187,7 +190,8 @@ class ShardedDistributor(Distributor):
 
     def grad_of(self, param: Tensor) -> Tensor | None:
         """The local buffer holding this rank's gradient of ``param``, None without one."""
-        return None if param.grad is None else local_tensor(param.grad)
+        grad = self.placed_grads.get(id(param), param.grad)
+        return None if grad is None else local_tensor(grad)
 
     def has_grad(self, param: Tensor) -> bool:
         return param.grad is not None
@@ -347,11 +351,15 @@ class ShardedDistributor(Distributor):
         ``check_finite``, the parameters whose gradient shard holds a nan or an inf on any
         rank: both in one ``all_reduce``, so that every rank agrees on what moves. A
         gradient placed otherwise than its parameter is redistributed to the parameter's
-        placements first (torch's DTensor collectives, in parameter order everywhere)."""
+        placements first (torch's DTensor collectives, in parameter order everywhere), into
+        ``placed_grads``: ``p.grad`` itself is left as it is."""
         self.bytes_last_step = 0
         params = params_with_gradients(stacks)
+        self.placed_grads = {}
         for param in params.values():
-            _match_placements(param)
+            placed = _placed_gradient(param)
+            if placed is not None:
+                self.placed_grads[id(param)] = placed
         has_grad, bad = _flags_on_every_rank(params, check_finite, self.has_grad,
                                              self.grad_elements)
         return ({id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
@@ -412,11 +420,12 @@ class ShardedDistributor(Distributor):
                 piece.write_block(target[piece.member],
                                   received[source][start : start + piece.numel])
                 offsets[source] += piece.numel
+        self.placed_grads = {}  # read into the owners' buffers: not kept past the step
 
     def any_rank(self, flag: bool) -> bool:
         return world_any(flag, self._device)
 
-    def stacked_grads(self, stack, active: list[int], writes: bool = False) -> Tensor:
+    def stacked_grads(self, stack, active: list[int]) -> Tensor:
         buffer = stack.gathered_grad
         return buffer if len(active) == len(stack.members) else buffer[active]
 
@@ -480,15 +489,17 @@ class ShardedDistributor(Distributor):
         return list(out.split(recv_sizes))
 
 
-def _match_placements(param: Tensor) -> None:
+def _placed_gradient(param: Tensor) -> Tensor | None:
     """A DTensor gradient placed otherwise than its parameter (a ``Partial`` sum left by a
-    tensor-parallel backward) is redistributed to the parameter's placements."""
+    tensor-parallel backward), redistributed to the parameter's placements (a new tensor:
+    ``param.grad`` is not touched); None where the gradient is placed as its parameter."""
     grad = param.grad
     if grad is None or not is_dtensor(param) or not is_dtensor(grad):
-        return
+        return None
     if tuple(grad.placements) != tuple(param.placements) or grad.device_mesh != \
             param.device_mesh:
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+        return grad.redistribute(param.device_mesh, param.placements)
+    return None
 
 
 def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,

@@ -55,9 +55,6 @@ class Preconditioner:
     needs_grafting: bool = False
     # whether it keeps Kronecker-factor statistics (the statistics keywords act on it)
     statistics: bool = False
-    # whether its step writes into the stacked gradients (job.grad), which then must not
-    # be the parameters' own gradients (Distributor.stacked_grads)
-    writes_gradient: bool = False
     # what it can do, for the rules on the statistics keywords: a diagonal long side
     # (diagonal_aspect), inverse roots (the pseudo-inverse), roots by coupled iterations,
     # roots stored in inv_factor_matrix_dtype; None = 4-bit state exists for it, else why not

@@ -109,7 +109,6 @@ class _Pairs:
 
 class RiemannianLoRA(Preconditioner):
     name = "riemannian_lora"
-    writes_gradient = True  # its update_statistics preconditions job.grad in place
     grafted = False  # the direction is the grafting method's, of the preconditioned gradient
     matrix_blocks = True  # blocks of the (rows, rest) matrix, so that r stays one dim
     refreshes = False

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Run timm's and torch's own optimizer test files against hf_shampoo, from copies outside
-# the repository (they are others' code: run, never vendored). See README.md here.
+# the repository (they are others' code: run, never vendored). See README.md here; `make
+# reference-suites` (part of `make test`, hence CI) runs both.
 #
 #   tests/reference_suites/run.sh timm [WORKDIR]
 #       downloads the sdist of the installed timm into WORKDIR (default: a temporary
-#       directory) and runs its tests/test_optim.py for the names hf_shampoo registers
+#       directory, removed after) and runs its tests/test_optim.py for the names
+#       hf_shampoo registers
 #   tests/reference_suites/run.sh torch PYTORCH_TEST_DIR
 #       runs TestOptimRenewed of PYTORCH_TEST_DIR/test_optim.py (the test/ directory of a
 #       pytorch checkout at the installed torch's version tag) for DistributedShampoo
@@ -16,7 +18,12 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 suite="${1:-}"
 case "$suite" in
   timm)
-    work="${2:-$(mktemp -d)}"
+    if [ -n "${2:-}" ]; then
+      work="$2"
+    else  # a temporary directory, removed on exit
+      work="$(mktemp -d)"
+      trap 'rm -rf "$work"' EXIT
+    fi
     version="$("$PY" -c 'import timm; print(timm.__version__)')"
     "$PY" -m pip download "timm==$version" --no-deps --no-binary :all: -d "$work" -q
     tar xzf "$work/timm-$version.tar.gz" -C "$work"
