@@ -241,13 +241,42 @@ def placed_model(desc: dict, split: dict, values: list[torch.Tensor]) -> nn.Sequ
     return model
 
 
-def placed_grad(p, grad: torch.Tensor) -> torch.Tensor:
-    """The one-process gradient placed like its parameter."""
-    from torch.distributed.tensor import distribute_tensor
+def held_boxes(params, values: list[torch.Tensor]) -> list:
+    """Each parameter's box on this rank (``placements.mesh_boxes``), checked against
+    where its local shard really lies in ``values`` (FSDP2's and tensor parallel's own
+    cutting): a box that is not the local data fails the case."""
+    from hf_shampoo.distributors.placements import mesh_boxes
+
+    boxes = []
+    for p, value in zip(params, values):
+        if not hasattr(p, "placements"):
+            boxes.append(None)
+            continue
+        box = mesh_boxes(p)[dist.get_rank()]
+        local = p.to_local().detach()
+        held = value[tuple(slice(a, b) for a, b in box)] if box is not None else None
+        if not (local.numel() == 0 and box is None) and not (
+                held is not None and torch.equal(held, local)):
+            raise AssertionError(f"{tuple(p.placements)}: the local shard of shape "
+                                 f"{tuple(local.shape)} is not the box {box}")
+        boxes.append(box)
+    return boxes
+
+
+def placed_grad(p, box, grad: torch.Tensor) -> torch.Tensor:
+    """The one-process gradient placed like its parameter: its box of the full gradient as
+    the local shard (as FSDP2's reduce-scatter leaves it; ``distribute_tensor`` cuts
+    uneven strided shards otherwise than FSDP2 does)."""
+    from torch.distributed.tensor import DTensor
 
     if not hasattr(p, "placements"):
         return grad
-    return distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
+    if box is None:
+        local = grad.new_empty((0,) + tuple(grad.shape[1:])).reshape(p.to_local().shape)
+    else:
+        local = grad[tuple(slice(a, b) for a, b in box)].contiguous()
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 def run_model(case: dict, work: str) -> dict:
@@ -270,7 +299,8 @@ def run_model(case: dict, work: str) -> dict:
                     "placements": [str(tuple(p.placements)) if hasattr(p, "placements")
                                    else "plain" for p in params]}
     opt = optimizer(params, names, case["config"])
-    set_grad = lambda i, p, g: placed_grad(p, g)  # noqa: E731
+    boxes = held_boxes(params, initial)
+    set_grad = lambda i, p, g: placed_grad(p, boxes[i], g)  # noqa: E731
     resume_at = case.get("resume_at")
     steps(params, shapes, opt, case, 1, resume_at or case["steps"], set_grad)
     if resume_at is not None:  # DCP save, resumed under the other split of the same model
@@ -280,6 +310,7 @@ def run_model(case: dict, work: str) -> dict:
         saved = [full(p) for p in params]
         model = placed_model(desc, case["resume_split"], saved)
         params = list(model.parameters())
+        boxes = held_boxes(params, saved)
         opt = optimizer(params, names, case["config"])
         state = {"optimizer": get_optimizer_state_dict(model, opt)}
         dcp.load(state, checkpoint_id=path)

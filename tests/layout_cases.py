@@ -225,19 +225,23 @@ def dim_size(mesh: dict[str, Any], name: str) -> int:
 
 
 def draw_placements(rng: random.Random, mesh: dict[str, Any], dims: tuple[str, ...],
-                    order: int) -> list[tuple]:
-    """Placements on the sub-mesh ``dims`` of a tensor of ``order`` dims: ``("R",)``,
-    ``("S", d)`` (the same tensor dim may be sharded on several mesh dims), and
-    ``("SS", d, split_factor)``, FSDP2's strided shard of a dim that later mesh dims shard
-    too (the split factor is their product)."""
-    placements: list[tuple] = [("R",) if rng.random() < 0.3 else ("S", rng.randrange(order))
-                               for _ in dims]
+                    shape: tuple[int, ...]) -> list[tuple]:
+    """Placements on the sub-mesh ``dims`` of a tensor of ``shape``: ``("R",)``, ``("S",
+    d)`` (the same tensor dim may be sharded on several mesh dims), and ``("SS", d,
+    split_factor)``, FSDP2's strided shard of a dim that later mesh dims shard too (the
+    split factor is their product). Strided shards are drawn only where they divide the
+    dim evenly: ``distribute_tensor`` and ``full_tensor`` disagree on uneven ones in torch
+    (FSDP2's own uneven strided shards come from the model cases)."""
+    placements: list[tuple] = [("R",) if rng.random() < 0.3 else
+                               ("S", rng.randrange(len(shape))) for _ in dims]
     for i, placement in enumerate(placements):
         if placement[0] != "S" or rng.random() < 0.5:
             continue
         later = [dim_size(mesh, dims[j]) for j in range(i + 1, len(dims))
                  if placements[j] == placement]
-        if later:
+        every = math.prod(dim_size(mesh, dims[j]) for j in range(len(dims))
+                          if placements[j][1:2] == placement[1:2])
+        if later and shape[placement[1]] % every == 0:
             placements[i] = ("SS", placement[1], math.prod(later))
     return placements
 
@@ -287,7 +291,7 @@ def draw_layout(rng: random.Random, world: int, shapes) -> dict[str, Any]:
             where.append(None)  # a plain tensor beside the DTensors
             continue
         dims = rng.choice(options)
-        where.append((dims, draw_placements(rng, mesh, dims, len(shape))))
+        where.append((dims, draw_placements(rng, mesh, dims, shape)))
     return {"mesh": mesh, "where": where}
 
 

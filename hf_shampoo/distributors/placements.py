@@ -6,8 +6,12 @@ FSDP2 shards a dim that TP already shards), expert parallelism and Accelerate's 
 ``dp_shard_cp`` dims all leave each rank one *box* of the full parameter: a range per dim.
 ``holdings`` finds every rank's box of every parameter: from the parameter's own mesh when
 that mesh spans the world, and with one ``all_gather_object`` when some parameter lives on
-a sub-mesh (tensor parallel inside data parallel). ``HeldBy`` groups ranks holding the
-same box (replicas) and checks that the boxes tile the parameter.
+a sub-mesh (tensor parallel inside data parallel). The boxes are cut as FSDP2 and tensor
+parallelism cut (``placement_box``: ``torch.chunk``'s pieces, a ``_StridedShard`` chunking
+the shard the later mesh dims left), not by torch's offset helper, which places FSDP2's
+uneven strided shards elsewhere than FSDP2 puts them. A rank whose local shard is not its
+box makes every rank raise (one tiny ``all_reduce``), never some ranks only. ``HeldBy``
+groups ranks holding the same box (replicas) and checks that the boxes tile the parameter.
 
 ``refuse_unsupported`` rejects what has no box (``Partial``, custom placements), FSDP1 flat
 parameters and DeepSpeed ZeRO partitions, before any state exists. ``STAGES`` says what ranks
@@ -21,6 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -133,22 +138,70 @@ def refuse_unsupported(
 
 def mesh_boxes(param: Tensor) -> dict[int, Box | None]:
     """Global rank → its box of a DTensor parameter, for every rank of the parameter's
-    mesh (None for a rank whose shard is empty), from the placements alone."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
+    mesh (None for a rank whose shard is empty), from the placements alone
+    (``placement_boxes``)."""
     mesh = param.device_mesh
     ranks = mesh.mesh
-    shape = tuple(param.shape)
+    sizes = tuple(ranks.shape)
     out: dict[int, Box | None] = {}
-    for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
-        local, offset = _compute_local_shape_and_global_offset(
-            shape, tuple(ranks.shape), list(coordinate), param.placements)
-        rank = int(ranks[coordinate])
-        if any(n == 0 for n in local):
-            out[rank] = None
-        else:
-            out[rank] = tuple((o, o + n) for o, n in zip(offset, local))
+    for coordinate in itertools.product(*(range(n) for n in sizes)):
+        out[int(ranks[coordinate])] = placement_box(tuple(param.shape), sizes, coordinate,
+                                                    tuple(param.placements))
     return out
+
+
+def application_order(placements: Sequence) -> list[int]:
+    """The order in which the mesh dims cut the tensor: mesh order, except that a
+    ``_StridedShard(d, split_factor)`` cuts after the later mesh dims that shard ``d``.
+    That is what FSDP2 does to a tensor-parallel parameter: it chunks each rank's
+    tensor-parallel shard (the later ``Shard(d)``), and names that ``_StridedShard`` on
+    the earlier, data-parallel dim."""
+    order: list[int] = []
+    deferred: dict[int, list[int]] = {}  # tensor dim → strided mesh dims waiting
+    for i, placement in enumerate(placements):
+        dim = getattr(placement, "dim", None)
+        if _is_strided(placement):
+            deferred.setdefault(dim, []).append(i)
+            continue
+        order.append(i)
+        later = [j for j in range(i + 1, len(placements))
+                 if getattr(placements[j], "dim", None) == dim
+                 and _shards(placements[j]) and not _is_strided(placements[j])]
+        if dim is not None and _shards(placement) and not later:
+            order += reversed(deferred.pop(dim, []))
+    for waiting in deferred.values():  # a strided shard with no later shard: plain
+        order += waiting
+    return order
+
+
+def _is_strided(placement) -> bool:
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _shards(placement) -> bool:
+    """Whether the placement cuts a dim (``_StridedShard`` is no ``is_shard()`` in torch)."""
+    return _is_strided(placement) or placement.is_shard()
+
+
+def placement_box(shape: Sequence[int], mesh_sizes: Sequence[int], coordinate: Sequence[int],
+                  placements: Sequence) -> Box | None:
+    """The box of the rank at ``coordinate`` of a mesh of ``mesh_sizes`` (None: empty):
+    each sharding mesh dim, in ``application_order``, cuts the range it is given into
+    ``torch.chunk``'s pieces (ceil-sized, trailing ones short or empty), as FSDP2 and
+    ``parallelize_module`` cut; ``Replicate()`` cuts nothing."""
+    ranges = [(0, int(n)) for n in shape]
+    for i in application_order(placements):
+        placement = placements[i]
+        if not _shards(placement):
+            continue
+        dim = placement.dim
+        lo, hi = ranges[dim]
+        chunk = -(-(hi - lo) // mesh_sizes[i]) if hi > lo else 0
+        start = min(lo + coordinate[i] * chunk, hi)
+        ranges[dim] = (start, min(start + chunk, hi))
+    if any(hi <= lo for lo, hi in ranges) and ranges:
+        return None
+    return tuple(ranges)
 
 
 def full_box(shape: Sequence[int]) -> Box:
@@ -171,12 +224,20 @@ def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None
     ``agreement.py``), so that every rank raises alike."""
     out: dict[int, list[Box | None]] = {}
     partial: dict[int, dict[int, Box | None]] = {}
+    problems: list[str] = []
+    computed: dict[int, dict[int, Box | None]] = {}
+    for index, param in params.items():
+        if is_dtensor(param):
+            computed[index] = mesh_boxes(param)
+            problem = _local_problem(index, param, computed[index], names)
+            if problem is not None:
+                problems.append(problem)
+    _agree_on_problems(problems, params, world)
     for index, param in params.items():
         if not is_dtensor(param):
             out[index] = [full_box(param.shape)] * world
             continue
-        boxes = mesh_boxes(param)
-        _check_local(index, param, boxes, names)
+        boxes = computed[index]
         if not on_sub_mesh(param, world):
             out[index] = [boxes[r] for r in range(world)]
         else:
@@ -200,20 +261,45 @@ def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None
     return out
 
 
-def _check_local(index: int, param: Tensor, boxes: dict[int, Box | None],
-                 names: dict[int, str] | None) -> None:
-    """This rank's box must be the shape of its local tensor (else the placement means
-    something the box arithmetic does not know)."""
-    mine = boxes.get(dist.get_rank()) if dist.is_initialized() else None
+def _local_problem(index: int, param: Tensor, boxes: dict[int, Box | None],
+                   names: dict[int, str] | None) -> str | None:
+    """Why this rank's box is not the shape of its local tensor (None when it is): the
+    placement would mean something the box arithmetic does not know."""
+    if not dist.is_initialized():
+        return None
+    mine = boxes.get(dist.get_rank())
     local = tuple(param.to_local().shape)
     expected = tuple(hi - lo for lo, hi in mine) if mine is not None else None
     if mine is None and math.prod(local) == 0:
+        return None
+    if expected != local:
+        return (f"parameter {describe_param(index, param, names)} placed "
+                f"{tuple(param.placements)}: rank {dist.get_rank()}'s local shard is {local}, "
+                f"but the placements give it {expected}")
+    return None
+
+
+def _agree_on_problems(problems: list[str], params: dict[int, Tensor], world: int) -> None:
+    """Raise on every rank when any rank found its shard elsewhere than its placements
+    say: one tiny ``all_reduce`` (every rank reaches it, at layout time), then the ranks'
+    reasons, so that no rank goes on into a collective the others left."""
+    if not dist.is_initialized() or world == 1:
+        if problems:
+            raise ValueError(f"DistributedShampoo: {problems[0]}. {SUPPORTED}")
         return
-    if dist.is_initialized() and expected != local:
-        raise ValueError(
-            f"DistributedShampoo: parameter {describe_param(index, param, names)} placed "
-            f"{tuple(param.placements)}: its local shard is {local}, but the placements give "
-            f"this rank {expected}. {SUPPORTED}")
+    device = next((local_tensor(p).device for p in params.values()), None)
+    if device is None or device.type == "meta":
+        device = torch.device("cpu")
+    flag = torch.tensor([len(problems)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()) == 0:
+        return
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, problems)
+    found = [p for seen in everyone for p in (seen or [])]
+    raise ValueError(f"DistributedShampoo: {found[0]}"
+                     + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+                     + f". {SUPPORTED}")
 
 
 @dataclass(frozen=True)
