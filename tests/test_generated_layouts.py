@@ -29,9 +29,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tests import layout_cases as lc
-from tests.layout_cases import base_seed
 from tests.generated_layout_worker import run_world
 from tests.helpers import one_thread_per_process
+from tests.layout_cases import base_seed
 
 pytestmark = pytest.mark.distributed
 
