@@ -146,17 +146,18 @@ def resume(case: dict, directory: str, one: bool, **extra) -> list[torch.Tensor]
     at = case["checkpoint"]["at"]
     params = make_params(case, torch.load(os.path.join(directory, "params.pt"),
                                           weights_only=True))
-    opt = make_optimizer(case, params, **extra)
-    if case["checkpoint"]["how"] == "sharded":
-        if one:
-            consolidated = os.path.join(directory, f"consolidated{dist.get_rank()}.pt")
-            consolidate_checkpoint(os.path.join(directory, "optimizer"), consolidated)
-            opt.load_state_dict(torch.load(consolidated, weights_only=True))
+    with small_factors_quantized(case["config"]):  # the layout the saved state has
+        opt = make_optimizer(case, params, **extra)
+        if case["checkpoint"]["how"] == "sharded":
+            if one:
+                consolidated = os.path.join(directory, f"consolidated{dist.get_rank()}.pt")
+                consolidate_checkpoint(os.path.join(directory, "optimizer"), consolidated)
+                opt.load_state_dict(torch.load(consolidated, weights_only=True))
+            else:
+                load_sharded(opt, os.path.join(directory, "optimizer"))
         else:
-            load_sharded(opt, os.path.join(directory, "optimizer"))
-    else:
-        opt.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"),
-                                       weights_only=True))
+            opt.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"),
+                                           weights_only=True))
     train(case, params, opt, at + 1, case["steps"])
     return [p.detach().clone() for p in params]
 
