@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import shutil
 import tempfile
 import time
 
@@ -53,7 +54,11 @@ WORLDS = lc.dp_worlds()
 DDP_CASES = lc.scaled(8)  # per seed
 ZERO_CASES = lc.scaled(6)  # per seed
 FILE = "tests/test_generated_dp_layouts.py"
-SPAWN_DEADLINE_S = 900  # one world's spawn, all its cases (a hung case fails, not hangs)
+
+def spawn_deadline(jobs: list, world: int) -> float:
+    """Seconds one world's spawn may take for ``jobs`` (a hung case fails, not hangs):
+    generous, a case takes about a second per rank on 2 cores."""
+    return 300 + 10 * len(jobs) * max(1, world // 2)
 
 #: documented refusals met while drawing (the case was drawn again): (kind, message)
 REFUSALS: list[tuple[str, str]] = []
@@ -117,13 +122,14 @@ def spawn(world: int, jobs: list, root: str) -> str | None:
     context = mp.start_processes(worker.run_world, nprocs=world, join=False,
                                  args=(world, os.path.join(root, f"init{world}"), jobs_file,
                                        out_dir), start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    limit = spawn_deadline(jobs, world)
+    deadline = time.monotonic() + limit
     try:
         while not context.join(timeout=5):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
-                return f"world {world}: killed after {SPAWN_DEADLINE_S} s"
+                return f"world {world}: killed after {limit:.0f} s"
     except Exception as error:  # a rank died outside a case (its own traceback)
         for process in context.processes:
             if process.is_alive():
@@ -171,6 +177,7 @@ def runs(request):
                 if results["running"] is not None:
                     out.setdefault(results["running"], {})[rank] = [
                         "did not finish (hung or died in this case)"]
+    shutil.rmtree(root, ignore_errors=True)
     return out
 
 
