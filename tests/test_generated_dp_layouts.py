@@ -51,8 +51,8 @@ torch.set_num_threads(1)
 
 SEEDS = lc.seeds()
 WORLDS = lc.dp_worlds()
-DDP_CASES = lc.scaled(8)  # per seed
-ZERO_CASES = lc.scaled(6)  # per seed
+DDP_CASES = lc.scaled(24)  # per seed
+ZERO_CASES = lc.scaled(18)  # per seed
 FILE = "tests/test_generated_dp_layouts.py"
 
 def spawn_deadline(jobs: list, world: int) -> float:
