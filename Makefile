@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast reference-suites demo demo-digits lint clean
+.PHONY: venv test test-fast reference-suites fuzz demo demo-digits lint clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,16 @@ reference-suites: venv
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# The generated layout cases at scale: HF_SHAMPOO_LAYOUT_CASES times the cases of each seed,
+# HF_SHAMPOO_LAYOUT_FRESH fresh seeds besides the fixed one (override either:
+# `make fuzz HF_SHAMPOO_LAYOUT_CASES=5`); a generated file not in this checkout is skipped.
+HF_SHAMPOO_LAYOUT_CASES ?= 20
+HF_SHAMPOO_LAYOUT_FRESH ?= 5
+FUZZ_FILES := $(wildcard tests/test_generated_dp_layouts.py tests/test_generated_layouts.py)
+fuzz: venv
+	HF_SHAMPOO_LAYOUT_CASES=$(HF_SHAMPOO_LAYOUT_CASES) HF_SHAMPOO_LAYOUT_FRESH=$(HF_SHAMPOO_LAYOUT_FRESH) \
+		$(PY) -m pytest -q $(FUZZ_FILES)
 
 # ResNet-50 fine-tune on 2 CPU processes (torchrun + Accelerate), a few minutes.
 demo: venv

@@ -218,8 +218,10 @@ def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:
     many blocks share its batch, breaking bit-equality between a distributed run and one
     process. Exponents ``±1/2^k`` (the defaults 1/2 and 1/4 among them) use chains of
     correctly rounded square roots and one division instead; other exponents are computed
-    in float64 and rounded to ``values.dtype``. ``in_place=True`` overwrites ``values``
-    (a scratch tensor) where it can.
+    in float64 and rounded to ``values.dtype``, on CPU through a strided view, which
+    ``pow`` never vectorises: every element takes the scalar path, wherever it sits (in
+    float64 alone, a float64 ``pow`` would still differ between the two paths).
+    ``in_place=True`` overwrites ``values`` (a scratch tensor) where it can.
     """
     magnitude, steps = abs(exponent), 0
     while magnitude < 1 and steps < 6:
@@ -232,8 +234,12 @@ def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:
         if exponent < 0:
             return out.reciprocal_() if in_place else out.reciprocal()
         return out
-    result = values.double().pow(exponent).to(values.dtype)
-    return values.copy_(result) if in_place else result
+    if values.device.type == "cpu":
+        spread = torch.empty((*values.shape, 2), dtype=torch.float64)
+        result = spread[..., 0].copy_(values).pow_(exponent)
+    else:
+        result = values.double().pow(exponent)
+    return (values if in_place else torch.empty_like(values)).copy_(result)
 
 
 # Below these sizes a symmetric product is one plain bmm (splitting it does not pay; the

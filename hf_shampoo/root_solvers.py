@@ -32,6 +32,8 @@ import contextlib
 import torch
 from torch import Tensor
 
+from .linalg import power
+
 # Meta's defaults (CoupledNewtonConfig, CoupledHigherOrderConfig)
 NEWTON_TOLERANCE = 1e-6
 HIGHER_ORDER_TOLERANCE = 1e-8
@@ -56,7 +58,7 @@ def coupled_newton(a: Tensor, p: int, epsilon: float, max_iterations: int = 100,
     ridge = a + epsilon * eye if epsilon != 0 else a.clone()
     alpha = -1.0 / p
     z = (p + 1) / (2 * torch.linalg.matrix_norm(ridge))  # Frobenius, per matrix
-    x = z.pow(-alpha)[:, None, None] * eye
+    x = power(z, -alpha)[:, None, None] * eye  # the same bits for any stack size
     m = z[:, None, None] * ridge
     error = _max_abs_minus_identity(m)
     active = error > tolerance
@@ -111,7 +113,7 @@ def _higher_order(a, p, rel_epsilon, abs_epsilon, max_iterations, tolerance, ord
     ridge_size = torch.clamp(lambda_max * rel_epsilon, min=abs_epsilon)
     ridge = a + ridge_size[:, None, None] * eye
     z = torch.reciprocal(ridge.diagonal(dim1=-2, dim2=-1).sum(-1))
-    x = torch.pow(z, -s)[:, None, None] * eye
+    x = power(z, -s)[:, None, None] * eye
     m = z[:, None, None] * ridge
     # one Newton step first (it guarantees the convergence of the higher-order steps)
     step = m * s + eye * (1 - s)

@@ -340,3 +340,147 @@ def model_param_count(layers) -> int:
         elif layer[0] == "head":
             count += 2 if layer[2] else 1
     return count
+
+
+# ---------------------------------------------------------------- data-parallel layouts
+# (tests/test_generated_dp_layouts.py: DDP and DeepSpeed ZeRO 1/2's flat partitions)
+
+#: kinds DeepSpeed ZeRO 1/2 refuses, as documented (zero.py, docs/deepspeed.md): iterate
+#: averaging moves parameters in train() / eval(), outside DeepSpeed's step
+ZERO_REFUSED = ("gpa", "schedule_free_soap")
+
+
+def long_search() -> bool:
+    """``HF_SHAMPOO_LAYOUT_CASES`` above 1 (``make fuzz``, the long search): larger worlds."""
+    return float(os.environ.get("HF_SHAMPOO_LAYOUT_CASES", "1")) > 1
+
+
+def dp_worlds() -> tuple[int, ...]:
+    """The world sizes the data-parallel cases draw from: 2 and 4, and 8 in the long search."""
+    return (2, 4, 8) if long_search() else (2, 4)
+
+
+def trainers_size(trainers: int, world: int) -> int:
+    """The ranks in one trainers-group for ``num_trainers_per_group=trainers``."""
+    return world if trainers == -1 else trainers
+
+
+def trainers_choices(world: int) -> list[int]:
+    """``num_trainers_per_group`` values valid for ``world``: -1, 1, 2 and ``world``."""
+    return sorted({t for t in (-1, 1, 2, world) if world % trainers_size(t, world) == 0})
+
+
+def draw_params(rng: random.Random, config: dict[str, Any], low: int = 2, high: int = 6
+                ) -> tuple[list[tuple[int, ...]], list[str]]:
+    """``low``..``high`` parameters of drawn shapes with names (``riemannian_lora``: plus
+    one or two peft ``lora_A`` / ``lora_B`` pairs)."""
+    count = rng.randint(low, high)
+    shapes = [draw_shape(rng) for _ in range(count)]
+    names = [f"layers.{i}.{'weight' if len(s) > 1 else 'bias'}" for i, s in enumerate(shapes)]
+    if config["kind"] == "riemannian_lora":
+        for j in range(rng.choice([1, 2])):
+            for name, shape in lora_pair(rng, f"layers.{j}.attn.q_proj"):
+                names.append(name)
+                shapes.append(shape)
+    return shapes, names
+
+
+def group_members(shapes, config: dict[str, Any]) -> list[list[int]]:
+    """The parameter indices of each of ``param_groups``' groups (same order)."""
+    if config.get("vectors") is None:
+        return [list(range(len(shapes)))]
+    groups = [[i for i, s in enumerate(shapes) if len(s) >= 2],
+              [i for i, s in enumerate(shapes) if len(s) < 2]]
+    return [g for g in groups if g]
+
+
+def draw_checkpoint(rng: random.Random, world: int, trainers: int, steps: int,
+                    worlds: tuple[int, ...]) -> dict[str, Any]:
+    """Save after step ``at`` (``sharded``: ``save_sharded``; ``consolidated``:
+    ``consolidate_state_dict(to=0)`` and rank 0's ``state_dict()``), resumed on another
+    layout: the same world with another ``num_trainers_per_group``, one process, or a
+    larger world (run by that world's spawn)."""
+    size = trainers_size(trainers, world)
+    targets: list[tuple[int, int]] = [(1, -1)]
+    others = [t for t in trainers_choices(world) if trainers_size(t, world) != size]
+    targets += [(world, t) for t in others]
+    targets += [(w, t) for w in worlds if w > world for t in trainers_choices(w)]
+    resume_world, resume_trainers = rng.choice(targets)
+    return dict(at=rng.randint(1, steps - 1), how=rng.choice(["sharded", "consolidated"]),
+                resume_world=resume_world, resume_trainers=resume_trainers)
+
+
+def draw_ddp_case(rng: random.Random, worlds: tuple[int, ...],
+                  checkpoint_rate: float = 0.35) -> dict[str, Any]:
+    """One DDP case: a world, ``num_trainers_per_group``, ``distributed`` ("ddp" or "auto"
+    with plain tensors), a config of any kind, parameters, steps without gradient, and
+    sometimes a checkpoint resumed on another layout."""
+    world = rng.choice(worlds)
+    trainers = rng.choice(trainers_choices(world))
+    config = draw_config(rng)
+    shapes, names = draw_params(rng, config)
+    steps = rng.randint(4, 7)
+    case: dict[str, Any] = dict(
+        world=world, trainers=trainers, distributed=rng.choice(["ddp", "auto"]),
+        kind=config["kind"], config=config, shapes=shapes, names=names, steps=steps,
+        no_grad=draw_no_grad(rng, len(shapes), steps), data_seed=rng.randrange(2**31),
+        checkpoint=None)
+    if rng.random() < checkpoint_rate:
+        case["checkpoint"] = draw_checkpoint(rng, world, trainers, steps, worlds)
+    return case
+
+
+def draw_flat(rng: random.Random, numels: list[int], world: int) -> dict[str, Any]:
+    """A ZeRO flat buffer of one group's parameters and its partition over ``world``
+    ranks: ``order`` (positions in the group, as laid out), a ``gaps`` of padding before
+    each, ``length`` (with trailing padding) and ``bounds`` (``world + 1`` offsets; rank
+    ``r`` holds ``[bounds[r], bounds[r + 1])``). Cuts fall anywhere (inside rows and
+    parameters), on parameter boundaries, at the ends or on each other (empty
+    partitions); or, as DeepSpeed itself, equal partitions of the padded buffer."""
+    order = list(range(len(numels)))
+    if rng.random() < 0.5:
+        rng.shuffle(order)
+    gaps = [rng.choice([0, 0, 0, 1, 3]) for _ in order]
+    starts, at = [], 0
+    for position, gap in zip(order, gaps):
+        at += gap
+        starts.append(at)
+        at += numels[position]
+    ends = [s + numels[p] for s, p in zip(starts, order)]
+    length = at + rng.choice([0, 0, 1, 5])
+    if rng.random() < 0.2:  # DeepSpeed's own: equal parts of a buffer padded to the world
+        length += -length % world
+        bounds = [r * length // world for r in range(world + 1)]
+    else:
+        cuts: list[int] = []
+        for _ in range(world - 1):
+            how = rng.random()
+            if how < 0.5 or not cuts and how < 0.6:
+                cuts.append(rng.randint(0, length))
+            elif how < 0.75:
+                cuts.append(rng.choice(starts + ends))
+            elif how < 0.9 and cuts:
+                cuts.append(rng.choice(cuts))  # an empty partition
+            else:
+                cuts.append(rng.choice([0, length]))
+        bounds = [0, *sorted(cuts), length]
+    return dict(order=order, gaps=gaps, length=length, bounds=bounds)
+
+
+def draw_zero_case(rng: random.Random, worlds: tuple[int, ...]) -> dict[str, Any]:
+    """One DeepSpeed ZeRO 1/2 case without DeepSpeed: a world, a config (not the kinds
+    ZeRO refuses), parameters, each group's flat buffer cut at drawn boundaries
+    (``draw_flat``), and whether ``step()`` is shown one group at a time
+    (``DeepSpeedZeroOptimizer``) or all groups at once (``BF16_Optimizer``). Steps
+    "without gradient" give zeros: DeepSpeed's gradient partitions hold zeros there."""
+    world = rng.choice(worlds)
+    config = draw_config(rng, exclude=ZERO_REFUSED)
+    shapes, names = draw_params(rng, config)
+    steps = rng.randint(4, 7)
+    numels = [math.prod(s) for s in shapes]
+    flats = [draw_flat(rng, [numels[i] for i in members], world)
+             for members in group_members(shapes, config)]
+    return dict(world=world, kind=config["kind"], config=config, shapes=shapes, names=names,
+                steps=steps, no_grad=draw_no_grad(rng, len(shapes), steps),
+                data_seed=rng.randrange(2**31), flats=flats,
+                calls=rng.choice(["per_group", "all_groups"]))

@@ -185,3 +185,47 @@ def test_load_refuses_mismatch(other_shapes, other_config):
     opt = DistributedShampoo(list(params.values()), **config)
     with pytest.raises(ValueError):
         opt.load_state_dict(state)
+
+
+def test_load_refuses_a_block_missing_one_of_its_tensors():
+    """A state whose block lacks one of the tensors its kind keeps is refused, and nothing
+    changes: it used to load, leaving that tensor at its initial value (zeros for a
+    factor), so that the run went on from a state no run had."""
+    state = saved_state_for(SHAPES, max_preconditioner_dim=4)
+    index = next(i for i, entry in state["state"].items() if "block_0.factor_matrix_0" in entry)
+    del state["state"][index]["block_0.factor_matrix_0"]
+    params = make_params()
+    opt = DistributedShampoo(list(params.values()), max_preconditioner_dim=4)
+    do_steps(params, opt, 0, 1)
+    before = roundtrip(opt.state_dict())
+    with pytest.raises(ValueError, match="block 0 lacks its factor_matrix_0"):
+        opt.load_state_dict(state)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for index, entry in before["state"].items():
+        assert all(torch.equal(after["state"][index][k], t) for k, t in entry.items())
+
+
+def test_load_sharded_refuses_a_checkpoint_with_other_state_tensors(tmp_path, monkeypatch):
+    """``load_sharded`` reads the tensors this optimizer's blocks keep: a checkpoint whose
+    blocks keep others under the same settings (here 4-bit factors quantised below the
+    library's floor when saved, unquantised when loaded) is refused, where it used to load
+    the tensors both have and leave the rest at their initial values. Found by the
+    generated DDP cases (a resume that built its optimizer outside the floor the saving
+    run had)."""
+    from hf_shampoo import quantization
+    from hf_shampoo.checkpoint import load_sharded, save_sharded
+
+    if torch.device(generator(0).device).type != "cpu":
+        pytest.skip("torch.distributed.checkpoint in one process: CPU tensors")
+    config = dict(max_preconditioner_dim=4, quantization="4bit", statistics_frequency=1,
+                  precondition_frequency=1)
+    params = make_params()
+    monkeypatch.setattr(quantization, "MIN_QUANTIZED_ELEMENTS", 16)
+    opt = DistributedShampoo(list(params.values()), **config)
+    do_steps(params, opt, 0, 2)
+    save_sharded(opt, tmp_path / "ckpt")
+    monkeypatch.undo()
+    fresh = DistributedShampoo(list(make_params().values()), **config)
+    with pytest.raises(ValueError, match="lacks its"):
+        load_sharded(fresh, tmp_path / "ckpt")

@@ -111,3 +111,34 @@ def test_resumes_exactly():
         make_model, lambda m: DistributedShampoo(m.parameters(), lr=0.01, grafting="adam",
                                                  precondition_frequency=2, diagonal_aspect=8),
         train)
+
+
+def test_a_diagonal_long_side_does_not_depend_on_its_stack():
+    """The diagonal long side's inverse root (``λ^(-1/4)``) has the same bits whatever
+    else is stacked with the block: found by the generated ZeRO cases (world 4, a (40, 9)
+    parameter cut into (8, 1) blocks owned 2 per rank) off by 1.5e-8 after 7 steps, as
+    ``pow`` rounds a stack of 1-3 such blocks (its scalar tail on an AVX-512 CPU)
+    otherwise than a stack of 5. Here each (8, 1) block is its own parameter: the blocks
+    stepped alone or in stacks of 2, 3 and 4 end as in the stack of all 5."""
+    from tests import layout_cases
+
+    config = dict(lr=0.03, grafting="adam", diagonal_aspect=2.0, max_preconditioner_dim=8,
+                  precondition_frequency=1, start_preconditioning_step=1)
+    seed, steps = 1880147083, 7
+    init = layout_cases.full_params([(40, 9)], seed)[0][:, 8:]
+    grads = [layout_cases.full_grads([(40, 9)], seed, t, {})[0][:, 8:]
+             for t in range(1, steps + 1)]
+
+    def run(blocks):
+        params = [torch.nn.Parameter(init[8 * b:8 * b + 8].clone()) for b in blocks]
+        opt = DistributedShampoo(params, **config)
+        for grad in grads:
+            for p, b in zip(params, blocks):
+                p.grad = grad[8 * b:8 * b + 8].clone()
+            opt.step()
+        return {b: p.detach() for b, p in zip(blocks, params)}
+
+    everything = run(range(5))
+    for blocks in ([1], [0, 1], [1, 2, 3], [0, 1, 2, 3]):
+        for b, got in run(blocks).items():
+            assert torch.equal(got, everything[b]), (blocks, b)

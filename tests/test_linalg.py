@@ -35,6 +35,33 @@ def test_inverse_root_matches_dense_power():
         torch.testing.assert_close(expected, torch.eye(5, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("exponent", [-0.25, -1 / 3, -1 / 6, 0.3, -0.5, 1 / 8])
+def test_power_gives_a_row_the_same_bits_in_any_stack(dtype, exponent):
+    """``linalg.power`` (the roots' eigenvalue powers, the diagonal long side, the coupled
+    iterations' starting scale) gives a block's row the same bits alone and in stacks of
+    2, 3 and 5, at any position: on CPU ``pow`` rounds its vectorised body and its scalar
+    tail differently, and an owner stacks only its own blocks where one process stacks
+    them all."""
+    g = generator(3)
+    for d in (1, 3, 8, 31, 33, 70):
+        rows = torch.rand(5, d, generator=g, dtype=dtype) * 10 + 1e-4
+        rows[1] *= 1e-5
+        alone = [linalg.power(rows[i:i + 1].clone(), exponent)[0] for i in range(5)]
+        for n in (2, 3, 5):
+            for start in range(6 - n):
+                stacked = rows[start:start + n].clone()
+                for got in (linalg.power(stacked, exponent),
+                            linalg.power(stacked.clone(), exponent, in_place=True)):
+                    for i in range(n):
+                        assert torch.equal(got[i], alone[start + i]), (d, n, start, i)
+        # a stack of scalars (the coupled iterations' z), one per block
+        column = rows[:, 0].contiguous()
+        for n in (1, 2, 3, 5):
+            assert torch.equal(linalg.power(column[:n], exponent),
+                               torch.stack([a[0] for a in alone[:n]]))
+
+
 def test_batched_eigh_falls_back_per_matrix(monkeypatch):
     a = _spd(3, 4)
     real = torch.linalg.eigh

@@ -214,6 +214,19 @@ def unpack(
                 "with get_optimizer_state_dict / set_optimizer_state_dict)"
             )
         _refuse(f"it lacks the state of parameter {missing.name!r} block {missing.block_index}")
+    # a block that has state has all of it: a tensor left out (another kind's or
+    # quantisation's names, a damaged file) would otherwise restart from its initial value
+    for stack in owned_stacks:
+        members = loads.get(id(stack))
+        if not members:
+            continue
+        expected = stack.expected_state(stack.settings(merged_groups))
+        for i, tensors in sorted(members.items()):
+            absent = [name for name in expected if name not in tensors]
+            if absent:
+                block = stack.members[i]
+                _refuse(f"parameter {block.name!r} block {block.block_index} lacks its "
+                        f"{', '.join(absent)}")
 
     # Everything checked: now change the optimizer.
     for group, merged in zip(param_groups, merged_groups):

@@ -202,12 +202,58 @@ class QuantizedFactors:
         return (eig.eigenvalues, eig.eigenvectors, torch.tensor(eig.ok, dtype=torch.bool),
                 None)
 
+    def refresh_quantized(self, stack, job, rows: list[int],
+                          descending: bool) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """New eigendecompositions of the quantised factors of ``rows``: eigenvalues and
+        quantised eigenvectors stored (failed matrices keep theirs). Returns, per dim, the
+        local rows that succeeded with their float32 eigenvalues and eigenvectors."""
+        group, state = job.group, job.state
+        device = job.grad.device
+        index = torch.tensor(rows, device=device)
+        results = {}
+        sampled = job.cache.pop(("sampled", tuple(rows)), None)
+        if sampled is None:
+            sampled = self.sampled_factors(stack, job, rows)
+        # eigh for a block's first decomposition (no eigenvectors to start QR from), decided
+        # row by row: which other rows share the call (the stack's other blocks, their
+        # staggered offsets) must not change a row's algorithm, or an owner holding a part
+        # of the stack would compute otherwise than one process
+        fresh = [self.previous_sample(group, self.own_step(job, r)) == 0 for r in rows]
+        parts = [(torch.tensor([k for k, f in enumerate(fresh) if f is want], device=device),
+                  want) for want in (True, False) if want in fresh]
+        for j, factor in sampled.items():
+            d = stack.shape[j]
+            ok = torch.zeros(len(rows), dtype=torch.bool)
+            done_parts, value_parts, vector_parts = [], [], []
+            for local, first in parts:
+                every = len(parts) == 1
+                sub_index = index if every else index[local]
+                values, vectors, sub_ok, kept = self._decompose(
+                    state, j, d, sub_index, factor if every else factor[local], group, first,
+                    descending)
+                ok[local.cpu()] = sub_ok.cpu()
+                done = sub_ok.nonzero().flatten().to(device)
+                if len(done) > 0:
+                    state[f"factor_eigenvalues_{j}"][sub_index[done]] = values[done].float()
+                    new = done if kept is None else done[~kept.to(device)[done]]
+                    if len(new) > 0:  # a kept basis is not quantised again (no drift)
+                        quantization.store(state, f"factor_eigenvectors_{j}",
+                                           vectors[new].mT.float().contiguous(),
+                                           sub_index[new])
+                done_parts.append(local[done])
+                value_parts.append(values[done])
+                vector_parts.append(vectors[done])
+            stack.count_failures(f"factor_eigenvectors_{j}", ok,
+                                 [job.members[r] for r in rows], job.step)
+            results[j] = (torch.cat(done_parts), torch.cat(value_parts),
+                          torch.cat(vector_parts))
+        return results
+
     def _decompose(self, state: dict, j: int, d: int, index: Tensor, factor: Tensor,
                    group: dict, fresh: bool, descending: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """``(eigenvalues, eigenvectors, ok, kept)`` of the sampled factors of the rows
-        ``index``: by ``eigh`` for first decompositions (``fresh``) or with
-        ``eigendecomposition="eigh"``, else by QR iterations from the stored bases."""
+        """``(eigenvalues, eigenvectors, ok, kept)`` of sampled factors of the rows ``index``
+        (``fresh``: their first decomposition, by ``eigh``)."""
         if fresh or group["eigendecomposition"] == "eigh":
             values, vectors, ok, kept = self.eigh_refresh(state, j, d, index, factor, group,
                                                           fresh)
@@ -224,54 +270,6 @@ class QuantizedFactors:
                 group["orthogonalization"])
         ok = (linalg.finite_rows(vectors) & linalg.finite_rows(values)).cpu()
         return values, vectors, ok, None
-
-    def refresh_quantized(self, stack, job, rows: list[int],
-                          descending: bool) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
-        """New eigendecompositions of the quantised factors of ``rows``: eigenvalues and
-        quantised eigenvectors stored (failed matrices keep theirs). Returns, per dim, the
-        local rows that succeeded with their float32 eigenvalues and eigenvectors."""
-        group, state = job.group, job.state
-        index = torch.tensor(rows, device=job.grad.device)
-        results = {}
-        sampled = job.cache.pop(("sampled", tuple(rows)), None)
-        if sampled is None:
-            sampled = self.sampled_factors(stack, job, rows)
-        # eigh for a block's first decomposition (no eigenvectors to start QR from), decided
-        # row by row: which other blocks share a stack must not change a block's numbers
-        # (an owner stacks only its own blocks, docs/design.md §8)
-        fresh = torch.tensor([self.previous_sample(group, self.own_step(job, r)) == 0
-                              for r in rows], dtype=torch.bool)
-        for j, factor in sampled.items():
-            d = stack.shape[j]
-            parts = [(mask, bool(first)) for mask, first in ((fresh, True), (~fresh, False))
-                     if bool(mask.any())]
-            if len(parts) == 1:
-                values, vectors, ok, kept = self._decompose(
-                    state, j, d, index, factor, group, parts[0][1], descending)
-            else:  # fresh and warm rows: each their own way, put back in row order
-                values = factor.new_empty(factor.shape[:-1])
-                vectors = torch.empty_like(factor)
-                ok = torch.zeros(len(rows), dtype=torch.bool)
-                kept = torch.zeros(len(rows), dtype=torch.bool)
-                for mask, first in parts:
-                    at = mask.nonzero().flatten()
-                    on = at.to(index.device)
-                    part = self._decompose(state, j, d, index[on], factor[on], group, first,
-                                           descending)
-                    values[on], vectors[on], ok[at] = part[0], part[1], part[2]
-                    if part[3] is not None:
-                        kept[at] = part[3].cpu()
-            done = ok.nonzero().flatten().to(index.device)
-            if len(done) > 0:
-                state[f"factor_eigenvalues_{j}"][index[done]] = values[done].float()
-                new = done if kept is None else done[~kept.to(done.device)[done]]
-                if len(new) > 0:  # a kept basis is not quantised again (no drift)
-                    quantization.store(state, f"factor_eigenvectors_{j}",
-                                       vectors[new].mT.float().contiguous(), index[new])
-            stack.count_failures(f"factor_eigenvectors_{j}", ok,
-                                 [job.members[r] for r in rows], job.step)
-            results[j] = (done, values[done], vectors[done])
-        return results
 
 
 class QuantizedShampoo(QuantizedFactors, Shampoo):

@@ -82,7 +82,7 @@ class Shampoo(KroneckerFactored):
             lam, cutoff = linalg.stabilized_eigenvalues(plan.matrix + group["epsilon"], group)
             exponent = self.exponents(group, stack.order)[plan.dim]
             root = job.state[f"inverse_root_{plan.dim}"]
-            inverse = linalg.drop_at_cutoff(lam.pow(-exponent), lam, cutoff)
+            inverse = linalg.inverse_power(lam, exponent, cutoff)
             picked.put(root, plan.todo, inverse.to(root.dtype))
         plans = common.plan_dims(job, full, picked, workspace)
         if group["root_inverse"] != "eigh":  # coupled iterations: roots without eigenvectors
