@@ -135,6 +135,10 @@ def run_synthetic(case: dict, work: str) -> dict:
     where = case["layout"]["where"]
     params = [nn.Parameter(place(t, mesh, w)) for t, w in zip(initial, where)]
     torn = [n for n, p, t in zip(names, params, initial) if not torch.equal(full(p), t)]
+    if "resume_layout" in case:  # the second layout too, before anything trains
+        other = build_mesh(case["resume_layout"]["mesh"])
+        torn += [n for n, t, w in zip(names, initial, case["resume_layout"]["where"])
+                 if not torch.equal(full(place(t, other, w)), t)]
     if torn:  # torch's own placement does not give the tensor back: not ours to judge
         return {"invalid": f"torch's full_tensor() does not rebuild {torn}"}
     opt = optimizer(params, names, case["config"])
