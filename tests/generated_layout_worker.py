@@ -85,14 +85,13 @@ def optimizer(params, names, config, **extra) -> DistributedShampoo:
 
 def steps(params, shapes, opt, case, first: int, last: int, set_grad) -> None:
     config = case["config"]
-    with ddp_worker.small_factors_quantized(config):
-        for step in range(first, last + 1):
-            for i, (p, grad) in enumerate(zip(params, lc.full_grads(
-                    shapes, case["seed"], step, case["no_grad"]))):
-                p.grad = None if grad is None else set_grad(i, p, grad)
-            ddp_worker.before_step(opt, config)
-            opt.step()
-            ddp_worker.after_step(opt, config, step)
+    for step in range(first, last + 1):
+        for i, (p, grad) in enumerate(zip(params, lc.full_grads(
+                shapes, case["seed"], step, case["no_grad"]))):
+            p.grad = None if grad is None else set_grad(i, p, grad)
+        ddp_worker.before_step(opt, config)
+        opt.step()
+        ddp_worker.after_step(opt, config, step)
 
 
 def one_process(case, initial: list[torch.Tensor], names: list[str]):
@@ -276,7 +275,7 @@ def placed_grad(p, box, grad: torch.Tensor) -> torch.Tensor:
     if not hasattr(p, "placements"):
         return grad
     if box is None:
-        local = grad.new_empty((0,) + tuple(grad.shape[1:])).reshape(p.to_local().shape)
+        local = grad.new_empty(p.to_local().shape)
     else:
         local = grad[tuple(slice(a, b) for a, b in box)].contiguous()
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
