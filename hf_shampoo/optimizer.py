@@ -31,6 +31,7 @@ from .config import (
     vector_settings,
 )
 from .distributors import Distributor, agreement, make_distributor
+from .distributors.groups import group_over, ranks_of
 from .distributors.zero import ZeroPartitions, find_zero_partitions
 from .pipeline import Layout
 from .preconditioners import kind_of
@@ -61,7 +62,12 @@ class DistributedShampoo(torch.optim.Optimizer):
     ) -> None:
         """The common keywords by position or name, every other keyword of the table
         (``config.TABLE``, docs/keywords.md) by name; ``__init__.__signature__`` lists them
-        all."""
+        all. ``process_group`` (not a hyperparameter: it is not saved with the groups) is
+        the data-parallel group the blocks are spread over, a ``ProcessGroup`` or a 1-D
+        ``DeviceMesh`` (torch's name, as ``ZeroRedundancyOptimizer`` and DDP take it; a
+        pipeline stage's group: docs/parallelism.md#pipeline-parallel); without it, the
+        world, or the ranks of the DTensor parameters' meshes."""
+        process_group = keywords.pop("process_group", None)
         unknown = {key: value for key, value in keywords.items() if key not in DEFAULTS}
         if unknown:
             refuse_unknown_keywords(unknown, "DistributedShampoo()")
@@ -80,6 +86,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._chosen: Distributor | None = None  # set through the ``distributor`` property
         self._constructed: list[list[Tensor]] | None = None
         self._checked: list[list[Tensor]] = []  # the groups' lists _zero was found for
+        self._process_group = process_group
         super().__init__(params, defaults)
         # DeepSpeed ZeRO 1/2 replaces the groups' parameters by flat partitions and shows
         # step() one group at a time (distributors/zero.py): what the groups held, and the
@@ -93,7 +100,8 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     __init__.__signature__ = signature().replace(parameters=[  # type: ignore[attr-defined]
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        *signature().parameters.values()])
+        *signature().parameters.values(),
+        inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None)])
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -216,15 +224,32 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _pick_distributor(self, final: bool = True) -> Distributor:
         if self._in_own_view and self._zero is not None:
+            if self._process_group is not None:
+                raise ValueError(
+                    "DistributedShampoo: process_group is not supported under DeepSpeed ZeRO "
+                    "(its partitions span DeepSpeed's own data-parallel group, which must be "
+                    "the world here: docs/deepspeed.md); leave process_group out, or use "
+                    "FSDP2 / DDP stages for pipeline parallelism")
             return self._zero.distributor
         if self._chosen is not None:
             return self._chosen
         d = self.defaults
+        params = self._all_params()
         return make_distributor(
-            d["distributed"], self._all_params(), d["num_trainers_per_group"],
+            d["distributed"], params, d["num_trainers_per_group"],
             d["communication_dtype"], d["assignment_cost"], d["fsdp_mode"],
-            current=self._distributor, final=final,
+            current=self._distributor, final=final, process_group=self._process_group,
+            names=self._param_names(),
         )
+
+    def _param_names(self) -> list[str]:
+        """``param_name`` of every parameter, in ``param_index`` order (for errors)."""
+        names = []
+        for gi, group in enumerate(self.param_groups):
+            listed = group.get("param_names")
+            names += [listed[k] if listed else f"group {gi} param {k} (shape {tuple(p.shape)})"
+                      for k, p in enumerate(group["params"])]
+        return names
 
     def _param_refs(self) -> list[tuple[int, int, Tensor]]:
         """``(group index, position in the group, parameter)`` of every parameter, in the
@@ -332,7 +357,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 named = self.param_groups[block.group_index].get("param_names")
                 entry = entries[block.param_index] = {
                     "index": block.param_index, "name": block.name if named else None,
-                    "param": agreement.param_key(block.param, self._distributor.world_size),
+                    "param": agreement.param_key(block.param, self._group_ranks()),
                     "blocks": []}
             entry["blocks"].append([list(shape), group, str(work_dtype).removeprefix(
                 "torch."), repr(overrides), float(cost)])
@@ -347,8 +372,17 @@ class DistributedShampoo(torch.optim.Optimizer):
         collectives depend on it."""
         if plan.agreed or not self._distributor.needs_agreement():
             return plan.checked()
-        agreement.check(plan, device=agreement.collective_device(self._all_params()))
+        group = self._distributor.group
+        process_group = None if group is None else group.process_group
+        agreement.check(plan, group=process_group,
+                        device=agreement.collective_device(self._all_params(), process_group))
         return plan.checked()
+
+    def _group_ranks(self) -> int | tuple[int, ...]:
+        """The global ranks blocks are spread over (the world's size where the distributor
+        has no group)."""
+        group = self._distributor.group
+        return self._distributor.world_size if group is None else group.ranks
 
     def _agree(self, layout: Layout) -> None:
         """Before a layout's first collective (a step, ``train()`` / ``eval()``): its plan
@@ -560,12 +594,14 @@ class DistributedShampoo(torch.optim.Optimizer):
                                      layout.blockings)
 
     def consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
-        """Gather every rank's blocks onto global rank ``to`` (a collective: every rank
-        calls it), so that ``state_dict()`` there returns the full state until the next
-        ``step()``, as torch's ``ZeroRedundancyOptimizer`` does. ``to`` may also be several
-        ranks (e.g. each node's first rank, for ``save_on_each_node``) or ``None`` for every
-        rank. Tools that save on one rank only (Trainer, Accelerate) call this first; in
-        one process it does nothing."""
+        """Gather every rank's blocks onto rank ``to`` (a collective: every rank of the
+        optimizer's group calls it), so that ``state_dict()`` there returns the full state
+        until the next ``step()``, as torch's ``ZeroRedundancyOptimizer`` does. ``to`` counts
+        ranks within the group the blocks are spread over, as torch's does: the global rank
+        without ``process_group``, a position in a pipeline stage's group with one. ``to``
+        may also be several ranks (e.g. each node's first rank, for ``save_on_each_node``)
+        or ``None`` for every rank. Tools that save on one rank only (Trainer, Accelerate)
+        call this first; in one process it does nothing."""
         with self._own_view():
             return self._consolidate_state_dict(to)
 
@@ -573,7 +609,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._consolidation.forget()
         self._ensure_layout()
         if self._distributor.is_sharded_state:
-            self._consolidation.gather(self.local_state_dict(), to)
+            self._consolidation.gather(self.local_state_dict(), to, self._distributor.group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
@@ -599,6 +635,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         plus this rank's state in the checkpoint layout, so that the copy continues
         exactly as the original would. Hooks are not kept, as in torch."""
         state = super().__getstate__()
+        # a process group is not copied: its ranks are, and the copy uses the same group
+        group = self._process_group
+        state["_process_group_ranks"] = None if group is None else ranks_of(group)
         layout = self._layout
         stepped = layout is not None and any(s.state for s in layout.owned)
         state["state"] = {}
@@ -609,7 +648,9 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         saved = state.pop("_saved_state", None)
+        ranks = state.pop("_process_group_ranks", None)
         super().__setstate__(state)
+        self._process_group = None if ranks is None else group_over(ranks).process_group
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it
         self._groups = self.param_groups
         self._constructed = [list(group["params"]) for group in self.param_groups]

@@ -5,8 +5,8 @@ and the step counts stayed as they were, and the distributor's class.
 
 A pipeline split gives rank ``r`` its own stage of one 4-layer model (world 2: layers 0-1
 on rank 0, 2-3 on rank 1; world 3: ranks 0 and 1 hold layers 0-1, rank 2 layers 2-3), as
-plain tensors (the data-parallel distributor) or fully_shard'ed on a 1-rank sub-mesh of
-its own (the sharded distributor). ``run_world`` is the ``mp.spawn`` entry; it writes
+plain tensors (the data-parallel distributor over the world: refused) or fully_shard'ed on
+a 1-rank sub-mesh of its own (the sharded distributor over that mesh's ranks: it steps). ``run_world`` is the ``mp.spawn`` entry; it writes
 ``rank{r}.json``.
 """
 
@@ -131,15 +131,30 @@ def added_group(rank: int, world: int) -> dict:
     return result
 
 
-def no_mesh(rank: int, world: int) -> dict:
-    """The same parameter on every rank, on a mesh of ranks [0, 1] only: the last rank of
-    a world of 3 holds no part of it."""
+def no_mesh_world_group(rank: int, world: int) -> dict:
+    """As ``no_mesh``, with the world named as the group: the last rank is in the group
+    but holds no part of the parameter."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = DeviceMesh("cpu", [0, 1])
     param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
-    opt = DistributedShampoo([param], lr=0.1)
+    opt = DistributedShampoo([param], lr=0.1, process_group=dist.group.WORLD)
+    return attempt(opt, [param])
+
+
+def no_mesh_constructed(rank: int, world: int) -> dict:
+    """``no_mesh`` without a group: the mesh's ranks are the group, so ranks 0 and 1 step,
+    and the last rank, on none of its parameters' meshes, is refused at construction."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+    try:
+        opt = DistributedShampoo([param], lr=0.1)
+    except ValueError as error:
+        return {"outcome": f"ValueError: {error}", "unchanged": True, "kind": None}
     return attempt(opt, [param])
 
 
@@ -151,7 +166,7 @@ SCENARIOS = {
         "pipeline_sharded_local": lambda r, w: pipeline_sharded(r, w, fsdp_mode="local"),
         "equal": equal, "settings": settings, "added_group": added_group},
     3: {"pipeline_plain": pipeline_plain, "pipeline_sharded": pipeline_sharded,
-        "equal": equal, "no_mesh": no_mesh},
+        "equal": equal, "no_mesh": no_mesh_world_group, "no_mesh_group": no_mesh_constructed},
 }
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.distributed
 
 DEADLINE = 120  # seconds for one world's spawn: many times what it takes (15 s), and a
 # hang never ends
-WAY_OUT = ("distributed='none'", "fsdp_mode='local'", "docs/parallelism.md#limits")
+WAY_OUT = ("process_group=", "docs/parallelism.md#pipeline-parallel")
 
 
 def spawn_within(world: int, root: str) -> list[dict]:
@@ -85,23 +85,24 @@ def test_a_layout_built_on_one_rank_first_is_still_checked_at_the_step(runs):
     assert all("rank 1 holds different parameters from rank 0" in m for m in messages)
 
 
-def test_sharded_stages_on_sub_meshes_of_their_own_are_refused(runs):
-    messages = refused(runs[2], "pipeline_sharded")
-    for message in messages:
-        assert "rank 1 holds different parameters from rank 0" in message
-        assert "of shape (4, 8) float32 there, parameter 0 of shape (8, 6)" in message
-        assert all(way in message for way in WAY_OUT), message
-    assert all(r["pipeline_sharded_local"]["outcome"] == "stepped" for r in runs[2])
+def test_sharded_stages_on_sub_meshes_of_their_own_step_over_their_meshes(runs):
+    """A stage fully_shard'ed on a sub-mesh of its own is spread over that mesh's ranks
+    (here one each): nothing is exchanged with the other stage, and it steps."""
+    for world in (2, 3):
+        for scenario in ("pipeline_sharded", "pipeline_sharded_local"):
+            if scenario not in runs[world][0]:
+                continue
+            assert all(r[scenario]["outcome"] == "stepped" for r in runs[world]), scenario
+    assert all(r["pipeline_sharded"]["kind"] == "ShardedDistributor" for r in runs[2])
     assert all(r["pipeline_sharded_local"]["kind"] == "LocalShardDistributor" for r in runs[2])
 
 
 def test_three_ranks_name_the_one_that_differs(runs):
-    for scenario in ("pipeline_plain", "pipeline_sharded"):
-        for rank, message in enumerate(refused(runs[3], scenario)):
-            assert "rank 2 holds different parameters from ranks 0, 1" in message
-            assert "ranks 0, 1 hold 4 parameters to optimize" in message
-            assert "Rank 2 differs from rank 0 first at its parameter 0" in message
-            assert f"This is rank {rank};" in message
+    for rank, message in enumerate(refused(runs[3], "pipeline_plain")):
+        assert "rank 2 holds different parameters from ranks 0, 1" in message
+        assert "ranks 0, 1 hold 4 parameters to optimize" in message
+        assert "Rank 2 differs from rank 0 first at its parameter 0" in message
+        assert f"This is rank {rank};" in message
 
 
 def test_ranks_holding_the_same_parameters_step(runs):
@@ -123,10 +124,20 @@ def test_groups_added_with_different_shapes_are_refused_at_the_next_step(runs):
         assert "parameter 4 of shape (3, 3) float32 there" in message
 
 
-def test_a_parameter_held_by_no_mesh_on_some_rank_is_refused_everywhere(runs):
+def test_a_parameter_held_by_no_mesh_on_some_rank_of_the_group_is_refused_everywhere(runs):
+    """``process_group`` the world, a parameter on ranks [0, 1]: rank 2 is in the group and
+    holds none of it, on every rank the same error."""
     for message in refused(runs[3], "no_mesh"):
         assert "held by no mesh on ranks [2] (its mesh has ranks [0, 1])" in message
+        assert "the group its blocks are spread over (the world)" in message
         assert all(way in message for way in WAY_OUT), message
+
+
+def test_without_a_group_the_meshes_ranks_step_and_a_rank_outside_them_is_refused(runs):
+    got = [r["no_mesh_group"] for r in runs[3]]
+    assert [g["outcome"] for g in got[:2]] == ["stepped", "stepped"], got
+    assert got[2]["outcome"].startswith(
+        "ValueError: DistributedShampoo: this rank (2) is on none of its parameters' meshes")
 
 
 def test_the_message_of_differing_plans():
