@@ -584,12 +584,19 @@ class DistributedShampoo(torch.optim.Optimizer):
             return saving.save(self, lambda: self._consolidation.copy()
                                or self.local_state_dict(), self._all_params())
 
+    def _materialize_owned_state(self) -> None:
+        """Every owned block's state tensors, allocated (at their initial values) where no
+        step has yet."""
+        with self._own_view():
+            layout = self._ensure_layout()
+            for stack in layout.owned:
+                stack.materialize(stack.settings(self.param_groups))
+
     def local_state_dict(self) -> dict[str, Any]:
         """The state of the blocks this rank owns (the whole state in one process)."""
         with self._own_view():
+            self._materialize_owned_state()  # every owned block has state, also before a step
             layout = self._ensure_layout()
-            for stack in layout.owned:  # every owned block has state, also before a step
-                stack.materialize(stack.settings(self.param_groups))
             return saving.pack_state(self.param_groups, layout.owned, self._distributor,
                                      layout.blockings)
 

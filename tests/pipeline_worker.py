@@ -48,9 +48,21 @@ KINDS = {
                     max_preconditioner_dim=16),
     "soap": dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99), epsilon=1e-8,
                  precondition_frequency=2, max_preconditioner_dim=16),
-    "muon": dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.9025,
-                 use_bias_correction=False, spectral_lr_adjustment="match_rms_adamw"),
+    "muon": None,  # the Muon recipe: make_optimizer(module, "muon")
 }
+
+
+def make(kind: str, module: nn.Module, named=None, **extra) -> DistributedShampoo:
+    """``kind``'s optimizer over ``module`` (or the ``named`` parameters of several
+    modules), with ``extra`` keywords (``process_group``, ``distributed``)."""
+    if KINDS[kind] is None:
+        from hf_shampoo import make_optimizer
+
+        # vocab_size: a stage without the embedding table cannot guess it, and would
+        # take its head for a hidden matrix (docs/parallelism.md#pipeline-parallel)
+        return make_optimizer(module, "muon", lr=0.01, vocab_size=VOCAB, **extra)
+    named = module.named_parameters() if named is None else named
+    return DistributedShampoo(named, lr=0.01, **KINDS[kind], **extra)
 
 
 class Layer(nn.Module):
@@ -118,6 +130,12 @@ def part(first: int, last: int) -> Model:
     return model
 
 
+def part_like(module: Model) -> Model:
+    """A plain (unplaced) model part with the layers, embedding and head ``module`` has."""
+    keys = [int(i) for i in module.layers]
+    return part(min(keys), max(keys) + 1)
+
+
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
@@ -130,8 +148,8 @@ def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def one_process(kind: str, steps: int, replicas_at, reduce_each: bool = False
-                ) -> dict[str, list[float]]:
+def one_process(kind: str, steps: int, replicas_at, reduce_each=False, first_step: int = 1,
+                start=None) -> dict[str, list[float]]:
     """The reference: the whole model in one process, ``distributed="none"``; at each step
     every replica's micro-batches run forward and backward in turn (gradients accumulate),
     the replicas' sums are averaged as data parallelism averages them, and divided by the
@@ -139,10 +157,12 @@ def one_process(kind: str, steps: int, replicas_at, reduce_each: bool = False
     data-parallel size at that step. ``reduce_each``: the replicas' gradients are averaged
     after every micro-batch's backward, each replica accumulating onto that average, as DDP
     does under torch's GPipe schedule (its reducer was prepared by a forward that ran with
-    gradient sync); else once, after the last (FSDP2)."""
+    gradient sync); else once, after the last (FSDP2); a callable of the step says which.
+    ``start(model, optimizer)`` loads a checkpoint before ``first_step``."""
     model = whole_model()
-    opt = DistributedShampoo(model.named_parameters(), lr=0.01, distributed="none",
-                             **KINDS[kind])
+    opt = make(kind, model, distributed="none")
+    if start is not None:
+        start(model, opt)
     params = dict(model.named_parameters())
 
     def average(grads: list[dict]) -> dict:
@@ -154,7 +174,7 @@ def one_process(kind: str, steps: int, replicas_at, reduce_each: bool = False
             out[name] = total / len(grads) if len(grads) > 1 else total
         return out
 
-    for step in range(1, steps + 1):
+    for step in range(first_step, steps + 1):
         replicas = replicas_at(step)
         tokens_targets = [batch(step, r) for r in range(replicas)]
         held = [None] * replicas  # each replica's accumulated gradient
@@ -213,7 +233,7 @@ def build(layout: dict, rank: int):
                                     group=mesh["pp"].get_group()))
     schedule = layout["schedule"]
     if schedule == "interleaved":
-        sched = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO * pp_size,
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO,
                                         loss_fn=loss_fn)
     else:
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -264,9 +284,8 @@ def optimizers(modules, layout: dict, kind: str, mesh) -> list[DistributedShampo
         extra["process_group"] = mesh["dp"]
     if layout.get("one_optimizer"):
         named = [(n, p) for m in modules for n, p in m.named_parameters()]
-        return [DistributedShampoo(named, lr=0.01, **KINDS[kind], **extra)]
-    return [DistributedShampoo(m.named_parameters(), lr=0.01, **KINDS[kind], **extra)
-            for m in modules]
+        return [make(kind, None, named, **extra)]
+    return [make(kind, m, **extra) for m in modules]
 
 
 def replica_of(layout: dict, mesh) -> int:
@@ -324,14 +343,19 @@ def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
                                      state[f"optim{k}"], options=options)
         first_step = save_at + 1
     named = [(n, p) for m in modules for n, p in m.named_parameters()]
-    references = []
+    references = []  # (one-process optimizer, its parameters by name, the parts)
     if resume_from is None:
-        for opt, parts in zip(opts, parts_of):
-            names = [n for m in parts for n, _ in m.named_parameters()]
-            values = {n: full(p) for m in parts for n, p in m.named_parameters()}
-            plain = [(n, nn.Parameter(values[n])) for n in names]
-            references.append((DistributedShampoo(plain, lr=0.01, distributed="none",
-                                                  **KINDS[kind]), plain, parts))
+        for parts in parts_of:
+            copies = [part_like(m) for m in parts]
+            for m, copy in zip(parts, copies):
+                values = {n: full(p) for n, p in m.named_parameters()}
+                with torch.no_grad():
+                    for n, p in copy.named_parameters():
+                        p.copy_(values[n])
+            named_copy = [(n, p) for c in copies for n, p in c.named_parameters()]
+            ref = make(kind, copies[0], named_copy if len(copies) > 1 else None,
+                       distributed="none")
+            references.append((ref, named_copy, parts))
     result: dict = {"replay": [], "stage_ids": stage_ids}
     for step in range(first_step, steps + 1):
         for opt in opts:
@@ -360,6 +384,23 @@ def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
                         else [dist.get_rank()] for opt in opts]
     result["distributors"] = [type(opt.distributor).__name__ for opt in opts]
     return result
+
+
+def load_consolidated(kind: str, path: str):
+    """A ``start`` for ``one_process``: the model and the optimizer state of every stage,
+    from a pipeline checkpoint consolidated into one file (``consolidate_checkpoint``)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    def start(model: Model, opt) -> None:
+        state = torch.load(path, weights_only=False)
+        model.load_state_dict(state["model0"])
+        set_optimizer_state_dict(model, opt, state["optim0"],
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    return start
 
 
 #: the layouts: mesh dims and names, data parallelism inside the stages, schedule

@@ -140,6 +140,49 @@ def test_without_a_group_the_meshes_ranks_step_and_a_rank_outside_them_is_refuse
         "ValueError: DistributedShampoo: this rank (2) is on none of its parameters' meshes")
 
 
+def test_stages_over_groups_of_their_own_step(runs):
+    """``process_group=`` the stage's group (ranks [0, 1] and [2]): the stages hold
+    different parameters and step, each over its own group; trainer groups cut a stage's
+    group as they cut the world."""
+    got = [r["stage_groups"] for r in runs[3]]
+    assert [g["outcome"] for g in got] == ["stepped"] * 3, got
+    assert [g["kind"] for g in got] == ["DataParallelDistributor"] * 2 + [
+        "SingleProcessDistributor"]
+    assert [r["stage_groups_trainers"]["outcome"] for r in runs[3]] == ["stepped"] * 3
+
+
+def test_refusals_name_the_group_and_the_rank(runs):
+    results = runs[3]
+    # trainer groups of 2 do not divide the last stage's group of 1 rank
+    got = [r["stage_groups_trainers_2"]["outcome"] for r in results]
+    assert got[:2] == ["stepped", "stepped"], got
+    assert got[2].startswith("ValueError: DistributedShampoo: num_trainers_per_group=2 must "
+                             "divide the process_group's size (ranks [2]) 1"), got[2]
+    # distributed="none" and a group say two different things
+    for r in results:
+        assert "process_group is given with distributed='none'" in \
+            r["stage_groups_none"]["outcome"]
+    # a group without this rank: refused there, at construction; the group's ranks step
+    got = [r["group_without_rank"]["outcome"] for r in results]
+    assert got[:2] == ["stepped", "stepped"], got
+    assert got[2] == ("ValueError: DistributedShampoo: process_group does not contain this "
+                      "rank (2) (torch.distributed.new_group returned "
+                      "GroupMember.NON_GROUP_MEMBER here); give each rank the group it "
+                      "trains in"), got[2]
+    # a parameter whose mesh reaches outside the group: every rank refuses, at construction
+    for rank, r in enumerate(results):
+        outcome = r["mesh_outside_group"]["outcome"]
+        outside = "[2]" if rank < 2 else "[0, 1]"
+        assert outcome.startswith("ValueError: DistributedShampoo: parameter 'group 0 param 0 "
+                                  "(shape (6, 3))' (shape (6, 3)) lives on a mesh of ranks "
+                                  f"[0, 1, 2], which reaches ranks {outside} outside "
+                                  "process_group"), outcome
+    for r in results:
+        assert r["two_dim_mesh"]["outcome"].startswith(
+            "ValueError: DistributedShampoo: process_group is a 2-D DeviceMesh (dims "
+            "('pp', 'dp')); it takes a ProcessGroup or a 1-D DeviceMesh")
+
+
 def test_the_message_of_differing_plans():
     """``agreement.message`` alone: counts, the first difference, a parameter only one
     rank has."""

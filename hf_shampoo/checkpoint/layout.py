@@ -232,6 +232,13 @@ def unpack(
     for group, merged in zip(param_groups, merged_groups):
         # as torch: the saved hyperparameters and parameter names, or the group's own
         # names where the saved group has none
+        # (saved names for another list of parameters, as torch's flattened state-dict
+        # helpers give a whole model's group one stage's names, are not taken)
+        names = merged.get("param_names")
+        if names is not None and len(names) != len(group["params"]):
+            merged = {**merged, "param_names": group.get("param_names")}
+            if merged["param_names"] is None:
+                del merged["param_names"]
         group.update({k: v for k, v in merged.items() if k != "params"})
     for stack in owned_stacks:
         stack.state.clear()

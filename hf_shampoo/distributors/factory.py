@@ -103,7 +103,9 @@ def make_distributor(
         return current
     if group is not None:  # process_group: its ranks, whatever the world
         if group.size == 1 and mode == "auto":
-            return SingleProcessDistributor()
+            single = SingleProcessDistributor()
+            single.group = group  # checkpoints of a one-rank stage stay within it
+            return single
         return DataParallelDistributor(
             communication_dtype, num_trainers_per_group, assignment_cost, group)
     if mode == "ddp":

@@ -349,10 +349,12 @@ def create_optimizer(model: torch.nn.Module, args: Any, **options: Any) -> Distr
 
     ``options``: ``decay_parameter_names`` (default: the Trainer's rule), ``shampoo_kwargs``
     (docs/design.md §7 keywords over ``optim_args``), ``overrides`` ({pattern: keywords}),
-    ``preset``.
+    ``preset``, ``process_group`` (the data-parallel group the blocks are spread over, for a
+    pipeline stage's part of the model: docs/parallelism.md#pipeline-parallel).
     """
+    process_group = options.pop("process_group", None)
     kwargs = _build(args, model, **options)
-    return DistributedShampoo(kwargs.pop("params"), **kwargs)
+    return DistributedShampoo(kwargs.pop("params"), **kwargs, process_group=process_group)
 
 
 def optimizer_cls_and_kwargs(
