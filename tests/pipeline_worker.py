@@ -1,4 +1,5 @@
-"""Pipeline-parallel ranks for tests/test_pipeline_parallel.py (docs/parallelism.md#pipeline-parallel).
+"""Pipeline-parallel ranks for tests/test_pipeline_parallel.py
+(docs/parallelism.md#pipeline-parallel).
 
 A small Llama-like model (token embedding, 4 decoder layers of RMSNorm, causal attention and
 a SwiGLU MLP, a final norm and an output head) is split at layer boundaries as torchtitan
@@ -308,6 +309,7 @@ def train_step(step: int, sched, stage_ids, num_stages, replica: int) -> None:
 
 def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
         checkpoint: str | None, resume_from: str | None) -> dict:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -315,7 +317,6 @@ def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-    import torch.distributed.checkpoint as dcp
 
     modules, wrapped, sched, stage_ids, num_stages, mesh = build(layout, rank)
     opts = optimizers(modules, layout, kind, mesh)

@@ -6,8 +6,8 @@ and the step counts stayed as they were, and the distributor's class.
 A pipeline split gives rank ``r`` its own stage of one 4-layer model (world 2: layers 0-1
 on rank 0, 2-3 on rank 1; world 3: ranks 0 and 1 hold layers 0-1, rank 2 layers 2-3), as
 plain tensors (the data-parallel distributor over the world: refused) or fully_shard'ed on
-a 1-rank sub-mesh of its own (the sharded distributor over that mesh's ranks: it steps). ``run_world`` is the ``mp.spawn`` entry; it writes
-``rank{r}.json``.
+a 1-rank sub-mesh of its own (the sharded distributor over that mesh's ranks: it steps).
+``run_world`` is the ``mp.spawn`` entry; it writes ``rank{r}.json``.
 """
 
 from __future__ import annotations

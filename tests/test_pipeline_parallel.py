@@ -113,9 +113,11 @@ def merged_params(got: list[dict]) -> dict[str, list[float]]:
 def assert_equal_to(got: dict[str, list[float]], expected: dict[str, list[float]]) -> None:
     assert sorted(got) == sorted(expected)
     differing = [n for n in expected if got[n] != expected[n]]
-    assert not differing, (
-        f"{len(differing)} of {len(expected)} parameters differ from one process, e.g. "
-        f"{differing[0]} by {max(abs(a - b) for a, b in zip(got[differing[0]], expected[differing[0]]))}")
+    if differing:
+        first = differing[0]
+        worst = max(abs(a - b) for a, b in zip(got[first], expected[first]))
+        raise AssertionError(f"{len(differing)} of {len(expected)} parameters differ from one "
+                             f"process, e.g. {first} by {worst}")
 
 
 def assert_stage_groups(got: list[dict], world: int, stage_size: int) -> None:
