@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import Distributor, apply_directions, block_cost, greedy_assignment, world_any
-from .groups import RankGroup, group_over
+from .groups import RankGroup
 
 
 class DataParallelDistributor(Distributor):
@@ -52,9 +52,13 @@ class DataParallelDistributor(Distributor):
                     subgroup = dist.new_group(list(range(start, start + size)))
                     if start <= position < start + size:
                         self.process_group = subgroup
-            else:  # within a group of its own: created by its own ranks alone
-                start = position - position % size
-                self.process_group = group_over(group.ranks[start:start + size]).process_group
+            else:
+                raise ValueError(
+                    f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} with "
+                    f"a process_group of {group.describe()} is not supported: pass the trainer "
+                    "group itself as process_group (the same numbers: blocks are spread over "
+                    "its ranks). Creating groups of some ranks only would shift torch's "
+                    "numbering of the groups created later by every rank (a hang)")
         elif not group.is_world:
             self.process_group = group.process_group
         self.rank = position % size

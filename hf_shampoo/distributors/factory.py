@@ -102,7 +102,7 @@ def make_distributor(
     ):
         return current
     if group is not None:  # process_group: its ranks, whatever the world
-        if group.size == 1 and mode == "auto":
+        if group.size == 1 and mode == "auto" and num_trainers_per_group in (-1, 1):
             single = SingleProcessDistributor()
             single.group = group  # checkpoints of a one-rank stage stay within it
             return single

@@ -8,9 +8,10 @@ exchanges: a flag OR-ed over the group (``any``). ``resolve`` turns the construc
 refusing, with the ranks named, a group that does not contain this rank and DTensor
 parameters whose mesh is not within it. Without a group, DTensor parameters whose meshes
 leave ranks out (a stage's ``(dp_shard, tp)`` sub-mesh of a ``(pp, dp_shard, tp)`` mesh)
-are spread over the union of their meshes: a process group over those ranks, created once
-by them alone (``new_group(..., use_local_synchronization=True)``) and kept for the
-process's life.
+are spread over the union of their meshes, through the group of the mesh that holds them
+all (a multi-dim one flattened, as torchtitan flattens its meshes). No group is ever made
+by some ranks only: torch names the groups every rank creates by a counter that such a
+group advances on its members alone, so the next group the world creates would hang.
 """
 
 from __future__ import annotations
@@ -78,16 +79,28 @@ class RankGroup:
 
 
 def group_over(ranks: Iterable[int]) -> RankGroup:
-    """A group over exactly ``ranks`` (global ranks; the world's group when they are the
-    world). Created once, by those ranks alone, the first time one of them asks; every
-    one of them must ask (they do: they lay out the same parameters at the same step)."""
+    """The group over exactly ``ranks`` (global ranks) that this process already knows: the
+    world's, a ``process_group`` an optimizer was given, or one ``resolve`` found (a copy
+    of an optimizer, ``pickle`` / ``copy.deepcopy``, finds its group again here). No group
+    is created: a group made by some ranks only would shift torch's numbering of the
+    groups created later by every rank, which then hang (``new_group``'s names)."""
     ranks = tuple(sorted(set(int(r) for r in ranks)))
     world = RankGroup.world()
-    if ranks == world.ranks:
+    if ranks == tuple(sorted(world.ranks)):
         return world
     group = _CREATED.get(ranks)
     if group is None:
-        group = _CREATED[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        raise ValueError(
+            f"DistributedShampoo: no process group over ranks {list(ranks)} is known in this "
+            "process (an optimizer copied from another process?); build the optimizer "
+            "again with process_group=")
+    return RankGroup(tuple(dist.get_process_group_ranks(group)), group)
+
+
+def _known(group: Any) -> RankGroup:
+    """``group`` (a process group of this process) as a ``RankGroup``, remembered."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    _CREATED.setdefault(tuple(sorted(ranks)), group)
     return RankGroup(ranks, group)
 
 
@@ -132,13 +145,35 @@ def _from_argument(process_group: Any) -> RankGroup:
             f"1-D DeviceMesh or None (the world); got {type(process_group).__name__}")
     if ranks == RankGroup.world().ranks:
         return RankGroup(ranks, None if group is dist.group.WORLD else group)
-    _CREATED.setdefault(ranks, group)  # a copy of the optimizer (pickle) finds it again
-    return RankGroup(ranks, group)
+    return _known(group)
 
 
 def ranks_of(process_group: Any) -> tuple[int, ...]:
     """The global ranks of a ``process_group`` argument (checked as ``resolve`` checks)."""
     return _from_argument(process_group).ranks
+
+
+def _mesh_group(meshes: list[tuple[int, Tensor]], union: list[int],
+                names: Sequence[str] | None) -> RankGroup:
+    """The process group of a parameter mesh that holds every rank of ``union``: a 1-D
+    mesh's own group, or a multi-dim mesh flattened (``DeviceMesh._flatten``, as
+    torchtitan flattens ``dp_shard_cp``: torch creates the flattened groups of every slice
+    of the root mesh, so every rank of the world flattens it, as every rank builds its
+    stage's optimizer at the same point)."""
+    for _, param in meshes:
+        mesh = param.device_mesh
+        if sorted(mesh_ranks(param)) != union:
+            continue
+        if mesh.ndim == 1:
+            return _known(mesh.get_group())
+        if mesh.mesh_dim_names:
+            return _known(mesh._flatten().get_group())
+    shown = [list(r) for r in sorted({tuple(mesh_ranks(p)) for _, p in meshes})]
+    raise ValueError(
+        f"DistributedShampoo: the parameters live on meshes of ranks {shown}, "
+        f"whose union {union} is no mesh of theirs with dim names, over which blocks could be "
+        "spread; pass process_group= a group over those ranks (torch.distributed.new_group, "
+        "created by every rank)")
 
 
 def mesh_ranks(param: Tensor) -> tuple[int, ...]:
@@ -165,7 +200,9 @@ def resolve(process_group: Any, params: Sequence[Tensor],
                 f"(parameter {name} of shape {tuple(param.shape)} lives on ranks "
                 f"{list(mesh_ranks(param))}); build each rank's optimizer over the parameters "
                 "it holds a part of (its pipeline stage's)")
-        return group_over(union)
+        if union == list(range(dist.get_world_size())):
+            return RankGroup.world()
+        return _mesh_group(meshes, union, names)
     group = _from_argument(process_group)
     inside = set(group.ranks)
     for index, param in meshes:
