@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import averaging, pipeline
@@ -224,7 +225,8 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _pick_distributor(self, final: bool = True) -> Distributor:
         if self._in_own_view and self._zero is not None:
-            if self._process_group is not None:
+            if self._process_group is not None and \
+                    sorted(ranks_of(self._process_group)) != list(range(dist.get_world_size())):
                 raise ValueError(
                     "DistributedShampoo: process_group is not supported under DeepSpeed ZeRO "
                     "(its partitions span DeepSpeed's own data-parallel group, which must be "

@@ -86,8 +86,9 @@ def test_a_layout_built_on_one_rank_first_is_still_checked_at_the_step(runs):
 
 
 def test_sharded_stages_on_sub_meshes_of_their_own_step_over_their_meshes(runs):
-    """A stage fully_shard'ed on a sub-mesh of its own is spread over that mesh's ranks
-    (here one each): nothing is exchanged with the other stage, and it steps."""
+    """A stage fully_shard'ed on the ``dp`` sub-mesh of a ``(pp, dp)`` mesh is spread over
+    its stage's ranks (here one each): nothing is exchanged with the other stage, and it
+    steps."""
     for world in (2, 3):
         for scenario in ("pipeline_sharded", "pipeline_sharded_local"):
             if scenario not in runs[world][0]:
@@ -124,20 +125,15 @@ def test_groups_added_with_different_shapes_are_refused_at_the_next_step(runs):
         assert "parameter 4 of shape (3, 3) float32 there" in message
 
 
-def test_a_parameter_held_by_no_mesh_on_some_rank_of_the_group_is_refused_everywhere(runs):
-    """``process_group`` the world, a parameter on ranks [0, 1]: rank 2 is in the group and
-    holds none of it, on every rank the same error."""
-    for message in refused(runs[3], "no_mesh"):
+@pytest.mark.parametrize("scenario", ["no_mesh", "no_mesh_world_group"])
+def test_a_parameter_held_by_no_mesh_on_some_rank_of_the_group_is_refused_everywhere(
+        runs, scenario):
+    """A parameter on ranks [0, 1], and rank 2 in the group (the world, by default or
+    named) holding none of it: on every rank the same error."""
+    for message in refused(runs[3], scenario):
         assert "held by no mesh on ranks [2] (its mesh has ranks [0, 1])" in message
         assert "the group its blocks are spread over (the world)" in message
         assert all(way in message for way in WAY_OUT), message
-
-
-def test_without_a_group_the_meshes_ranks_step_and_a_rank_outside_them_is_refused(runs):
-    got = [r["no_mesh_group"] for r in runs[3]]
-    assert [g["outcome"] for g in got[:2]] == ["stepped", "stepped"], got
-    assert got[2]["outcome"].startswith(
-        "ValueError: DistributedShampoo: this rank (2) is on none of its parameters' meshes")
 
 
 def test_stages_over_groups_of_their_own_step(runs):

@@ -6,12 +6,14 @@ process's position there) and the collectives the distributors run over them bes
 exchanges: a flag OR-ed over the group (``any``). ``resolve`` turns the constructor's
 ``process_group`` (a ``ProcessGroup`` or a 1-D ``DeviceMesh``) and the parameters into one,
 refusing, with the ranks named, a group that does not contain this rank and DTensor
-parameters whose mesh is not within it. Without a group, DTensor parameters whose meshes
-leave ranks out (a stage's ``(dp_shard, tp)`` sub-mesh of a ``(pp, dp_shard, tp)`` mesh)
-are spread over the union of their meshes, through the group of the mesh that holds them
-all (a multi-dim one flattened, as torchtitan flattens its meshes). No group is ever made
-by some ranks only: torch names the groups every rank creates by a counter that such a
-group advances on its members alone, so the next group the world creates would hang.
+parameters whose mesh is not within it. Without a group, DTensor parameters on a stage's
+sub-mesh of a root mesh with a ``"pp"`` dim (torchtitan's ``(pp, dp_shard, tp)``) are
+spread over the stage's ranks, through the group of the root's slice over its other dims
+(a multi-dim one flattened, as torchtitan flattens its meshes); other DTensor layouts over
+the world, as before (along a mesh dim no parameter lives on, ranks hold replicas of the
+same parameters, which share the blocks). No group is ever made by some ranks only: torch
+names the groups every rank creates by a counter that such a group advances on its
+members alone, so the next group the world creates would hang.
 """
 
 from __future__ import annotations
@@ -153,27 +155,33 @@ def ranks_of(process_group: Any) -> tuple[int, ...]:
     return _from_argument(process_group).ranks
 
 
-def _mesh_group(meshes: list[tuple[int, Tensor]], union: list[int],
-                names: Sequence[str] | None) -> RankGroup:
-    """The process group of a parameter mesh that holds every rank of ``union``: a 1-D
-    mesh's own group, or a multi-dim mesh flattened (``DeviceMesh._flatten``, as
-    torchtitan flattens ``dp_shard_cp``: torch creates the flattened groups of every slice
-    of the root mesh, so every rank of the world flattens it, as every rank builds its
-    stage's optimizer at the same point)."""
-    for _, param in meshes:
-        mesh = param.device_mesh
-        if sorted(mesh_ranks(param)) != union:
-            continue
-        if mesh.ndim == 1:
-            return _known(mesh.get_group())
-        if mesh.mesh_dim_names:
-            return _known(mesh._flatten().get_group())
-    shown = [list(r) for r in sorted({tuple(mesh_ranks(p)) for _, p in meshes})]
-    raise ValueError(
-        f"DistributedShampoo: the parameters live on meshes of ranks {shown}, "
-        f"whose union {union} is no mesh of theirs with dim names, over which blocks could be "
-        "spread; pass process_group= a group over those ranks (torch.distributed.new_group, "
-        "created by every rank)")
+#: the root mesh dim that marks pipeline stages (torchtitan's and torch's name)
+PIPELINE_DIM = "pp"
+
+
+def _pipeline_stage(meshes: list[tuple[int, Tensor]]) -> RankGroup | None:
+    """This rank's pipeline stage, where the DTensor parameters all live on sub-meshes of
+    one root mesh that has a ``"pp"`` dim (of more than one rank) none of them lives on:
+    the root's slice over its other dims, through its own group (a multi-dim slice
+    flattened, as torchtitan flattens its meshes; torch then creates the flattened groups
+    of every slice of the root, so every rank builds its stage's optimizer at the same
+    point, as training scripts do). None otherwise (the world: along a dim no parameter
+    lives on, ranks hold replicas of the same parameters, unless it is the ``"pp"`` dim)."""
+    roots = {id(root): root for root in (p.device_mesh._get_root_mesh() for _, p in meshes)}
+    if len(roots) != 1:
+        return None
+    (root,) = roots.values()
+    dims = tuple(root.mesh_dim_names or ())
+    if PIPELINE_DIM not in dims or root.mesh.shape[dims.index(PIPELINE_DIM)] == 1:
+        return None
+    if any(PIPELINE_DIM in (p.device_mesh.mesh_dim_names or ()) for _, p in meshes):
+        return None
+    other = tuple(d for d in dims if d != PIPELINE_DIM)
+    if not other:
+        return None
+    stage = root[other] if len(other) > 1 else root[other[0]]
+    group = stage._flatten().get_group() if len(other) > 1 else stage.get_group()
+    return _known(group)
 
 
 def mesh_ranks(param: Tensor) -> tuple[int, ...]:
@@ -182,27 +190,18 @@ def mesh_ranks(param: Tensor) -> tuple[int, ...]:
 
 def resolve(process_group: Any, params: Sequence[Tensor],
             names: Sequence[str] | None = None) -> RankGroup:
-    """The group blocks are spread over: ``process_group``'s ranks where given, else the
-    union of the DTensor parameters' meshes (the world where there are none, or where
-    they span it). Refuses a group without this rank, and DTensor parameters whose mesh
-    reaches outside the given group."""
+    """The group blocks are spread over: ``process_group``'s ranks where given; else, for
+    DTensor parameters on sub-meshes of a root mesh with a ``"pp"`` dim none of them lives
+    on (torchtitan's ``("pp", "dp_shard", "tp")``), this rank's pipeline stage (the root's
+    slice over its other dims: ``_pipeline_stage``); else the world. Refuses a group
+    without this rank, and DTensor parameters whose mesh reaches outside the given
+    group."""
     meshes = [(i, p) for i, p in enumerate(params) if is_dtensor(p)]
     if process_group is None:
         if not meshes or not (dist.is_available() and dist.is_initialized()):
             return RankGroup.world()
-        union = sorted({r for _, p in meshes for r in mesh_ranks(p)})
-        me = dist.get_rank()
-        if me not in union:
-            index, param = meshes[0]
-            name = repr(names[index]) if names else f"{index}"
-            raise ValueError(
-                f"DistributedShampoo: this rank ({me}) is on none of its parameters' meshes "
-                f"(parameter {name} of shape {tuple(param.shape)} lives on ranks "
-                f"{list(mesh_ranks(param))}); build each rank's optimizer over the parameters "
-                "it holds a part of (its pipeline stage's)")
-        if union == list(range(dist.get_world_size())):
-            return RankGroup.world()
-        return _mesh_group(meshes, union, names)
+        stage = _pipeline_stage(meshes)
+        return RankGroup.world() if stage is None else stage
     group = _from_argument(process_group)
     inside = set(group.ranks)
     for index, param in meshes:
