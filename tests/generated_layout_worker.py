@@ -120,7 +120,35 @@ def as_module(params, names) -> nn.Module:
     return module
 
 
+def stage_case(case: dict) -> dict:
+    """A pipeline case as this rank's stage: its parameters, placed on the stage's
+    sub-meshes of the ``("pp", ...)`` mesh (every stage saves into one DCP directory, its
+    names its own)."""
+    pipeline = case["pipeline"]
+    mesh = build_mesh(pipeline["mesh"])
+    stage = pipeline["stages"][mesh["pp"].get_local_rank()]
+    out = {**case, "names": stage["names"], "shapes": stage["shapes"],
+           "no_grad": stage["no_grad"], "layout": {"mesh": pipeline["mesh"],
+                                                   "where": stage["where"]},
+           "stage": mesh["pp"].get_local_rank()}
+    if "resume_mesh" in pipeline:
+        out["resume_layout"] = {"mesh": pipeline["resume_mesh"],
+                                "where": stage["resume_where"]}
+    del out["pipeline"]
+    return out
+
+
 def run_synthetic(case: dict, work: str) -> dict:
+    if "pipeline" in case:
+        result = _run_synthetic(stage_case(case), work, everyone=True)
+        return {**result, "stage": stage_case(case)["stage"]}
+    return _run_synthetic(case, work)
+
+
+def _run_synthetic(case: dict, work: str, everyone: bool = False) -> dict:
+    """``everyone``: every rank of the world learns whether any found torch's placement
+    unable to rebuild a tensor, so that all skip the case together (pipeline stages draw
+    their own tensors)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -138,6 +166,11 @@ def run_synthetic(case: dict, work: str) -> dict:
         other = build_mesh(case["resume_layout"]["mesh"])
         torn += [n for n, t, w in zip(names, initial, case["resume_layout"]["where"])
                  if not torch.equal(full(place(t, other, w)), t)]
+    if everyone:
+        flag = torch.tensor([int(bool(torn))])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not torn:
+            torn = ["(another stage's parameters)"]
     if torn:  # torch's own placement does not give the tensor back: not ours to judge
         return {"invalid": f"torch's full_tensor() does not rebuild {torn}"}
     opt = optimizer(params, names, case["config"])

@@ -540,3 +540,25 @@ def test_save_on_each_node_consolidates_onto_each_nodes_first_rank(monkeypatch):
     assert hft.save_ranks(args) == [0, 2, 4]
     args.save_on_each_node = False
     assert hft.save_ranks(args) == [0]
+
+
+def test_create_optimizer_passes_a_process_group_through(tmp_path, monkeypatch):
+    """A pipeline stage's part through the Trainer's builder: ``process_group`` reaches
+    the optimizer's constructor unchanged (recorded here, in one process; a real group
+    needs a launched world: tests/test_pipeline_parallel.py, tests/test_rank_agreement.py)."""
+    from hf_shampoo.integrations.transformers import arguments
+
+    seen = {}
+
+    class Recorder(arguments.DistributedShampoo):
+        def __init__(self, params, **kwargs):
+            seen["process_group"] = kwargs.pop("process_group", "absent")
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(arguments, "DistributedShampoo", Recorder)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                       n_positions=8, bos_token_id=0, eos_token_id=0))
+    group = object()
+    optimizer = hft.create_optimizer(model, training_args(tmp_path, optim="distributed_shampoo"),
+                                     process_group=group)
+    assert seen["process_group"] is group and isinstance(optimizer, Recorder)
