@@ -151,6 +151,7 @@ def _run_synthetic(case: dict, work: str, everyone: bool = False) -> dict:
     their own tensors)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
@@ -187,7 +188,11 @@ def _run_synthetic(case: dict, work: str, everyone: bool = False) -> dict:
     # resume layout, go on to the last step
     opt.zero_grad(set_to_none=True)
     path = os.path.join(work, f"dcp_{case['seed']}")
-    dcp.save({"optimizer": get_optimizer_state_dict(as_module(params, names), opt)},
+    # pipeline stages write one directory: their groups' entries keyed by parameter name
+    # (torchtitan's option), not by position (which the stages' groups would share)
+    options = StateDictOptions(flatten_optimizer_state_dict=everyone)
+    dcp.save({"optimizer": get_optimizer_state_dict(as_module(params, names), opt,
+                                                    options=options)},
              checkpoint_id=path)
     saved = [full(p) for p in params]
     other = build_mesh(case["resume_layout"]["mesh"])
@@ -195,9 +200,9 @@ def _run_synthetic(case: dict, work: str, everyone: bool = False) -> dict:
     params = [nn.Parameter(place(t, other, w)) for t, w in zip(saved, other_where)]
     opt = optimizer(params, names, case["config"])
     module = as_module(params, names)
-    state = {"optimizer": get_optimizer_state_dict(module, opt)}
+    state = {"optimizer": get_optimizer_state_dict(module, opt, options=options)}
     dcp.load(state, checkpoint_id=path)
-    set_optimizer_state_dict(module, opt, state["optimizer"])
+    set_optimizer_state_dict(module, opt, state["optimizer"], options=options)
     set_grad = lambda i, p, g: place(g, other, other_where[i])  # noqa: E731
     steps(params, shapes, opt, case, resume_at + 1, case["steps"], set_grad)
     result["state"] = state_numel(opt)
