@@ -44,6 +44,8 @@ WORLD4 = [
     dict(name="ddp_shampoo_resumed", layout="ddp_gpipe", kind="shampoo", steps=STEPS,
          save_at=SAVE_AT, resume_from="ddp"),
     dict(name="ddp_muon", layout="ddp_gpipe", kind="muon", steps=3),
+    dict(name="ddp_soap", layout="ddp_gpipe", kind="soap", steps=3),
+    dict(name="fsdp_shampoo", layout="fsdp_1f1b", kind="shampoo", steps=3),
     dict(name="fsdp_soap", layout="fsdp_1f1b", kind="soap", steps=STEPS, save_at=SAVE_AT,
          checkpoint="fsdp"),
     dict(name="fsdp_soap_resumed", layout="fsdp_1f1b", kind="soap", steps=STEPS,
@@ -63,6 +65,7 @@ WORLD8 = [
     dict(name="tp_shampoo_resumed", layout="fsdp_tp_1f1b", kind="shampoo", steps=STEPS,
          save_at=SAVE_AT, resume_from="tp"),
     dict(name="tp_muon", layout="fsdp_tp_1f1b", kind="muon", steps=3),
+    dict(name="tp_soap", layout="fsdp_tp_1f1b", kind="soap", steps=3),
 ]
 
 
@@ -147,6 +150,8 @@ def ddp_first(first: int):
 @pytest.mark.parametrize("name, kind, reduce_each", [
     ("ddp_shampoo", "shampoo", ddp_first(1)),
     ("ddp_muon", "muon", ddp_first(1)),
+    ("ddp_soap", "soap", ddp_first(1)),
+    ("fsdp_shampoo", "shampoo", False),
     ("fsdp_soap", "soap", False),
     ("fsdp_muon", "muon", False),
     ("interleaved_shampoo", "shampoo", False),
@@ -211,7 +216,7 @@ def test_consolidate_checkpoint_merges_the_stages_into_one_process(runs, tmp_pat
 
 # ---------------------------------------------------------------- 8 ranks: FSDP2 × TP
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp_shampoo", "tp_muon"])
+@pytest.mark.parametrize("name", ["tp_shampoo", "tp_muon", "tp_soap"])
 def test_stages_over_dp_shard_and_tp_match_one_process_on_their_gradients(runs8, name):
     got = case_results(runs8, name)
     assert all(all(g["replay"]) and g["replay"] for g in got)
