@@ -1,4 +1,4 @@
-"""Per-rank optimizer step, bytes and state with pipeline stages (docs/parallelism.md#pipeline-parallel).
+"""Per-rank optimizer step, bytes and state with pipeline stages (docs/parallelism.md).
 
 GPT-2 small's parameters on 8 gloo ranks, two layouts of the same world:
 

@@ -5,8 +5,8 @@ A distributor knows ranks, block assignment and buffers, and nothing of the algo
 ``greedy_assignment`` choose owners (longest processing time first, deterministic on every
 rank); the helpers below stack a stack's gradients or parameters into one tensor, keep its
 persistent buffers, and add every block's direction to its parameter. The distributors
-themselves are siblings that import only this module (and ``placements``): ``single`` (one
-process), ``ddp`` (blocks spread over data-parallel ranks, one all-gather), ``fsdp``
+themselves are siblings that import only this module (and ``placements``, ``groups``):
+``single`` (one process), ``ddp`` (blocks spread over data-parallel ranks, one all-gather), ``fsdp``
 (FSDP2 / HSDP / tensor parallel, lossless); ``local`` (``fsdp_mode="local"``) is one
 process per shard and builds on ``single``, ``zero`` on ``fsdp``.
 """
