@@ -9,7 +9,8 @@ GPT-2 small's parameters on 8 gloo ranks, two layouts of the same world:
   8 ranks (FSDP2 x TP without pipelining).
 
 Placements as ``benchmarks/parallel_step.py`` (Megatron-style TP, FSDP2's ``Shard(0)`` or
-``_StridedShard`` on top). Each rank takes the same steady step (Adam grafting, blocks of
+``_StridedShard`` on top; the vocabulary padded to a multiple of 8 rows, as Megatron pads
+it). Each rank takes the same steady step (Adam grafting, blocks of
 1024, no refresh) on gradients placed like its parameters: the optimizer alone, not the
 model's forward and backward. Bytes per rank: measured (``bytes_last_step``) and computed
 from the plan (``planned_bytes``).
@@ -51,7 +52,10 @@ def run_rank(rank: int, layout: str, init_file: str, out: str, steps: int,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    named = named_gpt2(layers)
+    # the vocabulary padded to a multiple of 8 rows, as Megatron pads it: torch's
+    # distribute_tensor places uneven _StridedShard rows otherwise than FSDP2 does
+    named = [(n, torch.cat([t, t.new_zeros((-t.shape[0]) % 8, *t.shape[1:])])
+              if n.endswith("wte.weight") else t) for n, t in named_gpt2(layers)]
     if layout == "pp":
         world = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
         stage = world["pp"].get_local_rank()
