@@ -1,7 +1,9 @@
 """``DistributedShampoo.metrics()`` (hf_shampoo/health.py, docs/metrics.md): every value
 checked against what it means, from the optimizer's state and ``describe_blocks()``; the
 step records them without a single extra operator in a steady step; and on 2 gloo ranks
-(DDP) the dict is the same on both ranks and equals one process's."""
+the dict is the same on both ranks and equals one process's (DDP, FSDP2 lossless), ranks
+that hold the same blocks counting once (trainer groups of one rank, fsdp_mode="local" on
+HSDP replicas), and a failure on one rank is counted on both."""
 
 from __future__ import annotations
 
@@ -308,8 +310,40 @@ CONFIG = {"grafting": "adam", "precondition_frequency": 3, "epsilon": 1e-3,
           "eigenbasis_tolerance": 0.05, "betas": (0.9, 0.99)}
 
 
+def _sharded(mesh, placements, **config):
+    """``_params`` as DTensors on ``mesh``, trained 6 steps with ``_grads``'s gradients."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+              for p in _params()]
+    opt = _make(params, distributed="auto", **CONFIG, **config)
+    plain = _params()
+    for t in range(1, 7):
+        _grads(plain, t)
+        for p, q in zip(params, plain):
+            p.grad = distribute_tensor(q.grad, mesh, placements)
+        opt.step()
+    held = sum(t.numel() * t.element_size() for p in params for t in opt.state[p].values())
+    return opt.metrics(), held, type(opt.distributor).__name__
+
+
 def _ddp_worker(rank, world, init_file, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
     join_gloo_world(rank, world, init_file)
+    layouts = {}
+    # trainer groups of one rank: each rank holds every block, counted once
+    params = _params()
+    opt = _make(params, distributed="ddp", num_trainers_per_group=1, **CONFIG)
+    _train(params, opt, 6)
+    layouts["trainer_groups"] = opt.metrics()
+    # FSDP2, lossless: the blocks spread over both ranks
+    layouts["fsdp"] = _sharded(init_device_mesh("cpu", (2,)), [Shard(0)])
+    # fsdp_mode="local" on an HSDP mesh of 2 replicas of one shard: the same blocks twice
+    layouts["local_replicas"] = _sharded(
+        init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")),
+        [Replicate(), Shard(0)], fsdp_mode="local")
     params = _params()
     opt = _make(params, distributed="ddp", **CONFIG)
     _train(params, opt, 6)
@@ -329,7 +363,7 @@ def _ddp_worker(rank, world, init_file, out_dir):
     # the failures the stacks' own bookkeeping counts (one failed refresh: count 1)
     failed = sum(c for stack in opt._layout.owned for counts in stack.failures.values()
                  for c in counts)
-    torch.save({"first": first, "second": second, "failed": failed,
+    torch.save({"first": first, "second": second, "failed": failed, "layouts": layouts,
                 "distributor": type(opt.distributor).__name__},
                os.path.join(out_dir, f"{rank}.pt"))
     torch.distributed.barrier()
@@ -361,6 +395,19 @@ def test_two_ranks_agree_and_equal_one_process():
     assert first["optimizer/graft_ratio/shampoo"] == pytest.approx(
         single["optimizer/graft_ratio/shampoo"], rel=1e-12)
     assert 0 < first["optimizer/state_bytes_max_rank"] < first["optimizer/state_bytes"]
+    exact = ("steps", "preconditioning", "refresh_blocks", "fallbacks", "condition_max",
+             "condition_median", "basis_recomputed_fraction", "state_bytes")
+    replicated = ranks[0]["layouts"]["trainer_groups"]
+    assert all(_same(replicated[f"optimizer/{k}"], single[f"optimizer/{k}"]) for k in exact)
+    assert replicated["optimizer/state_bytes_max_rank"] == single["optimizer/state_bytes"]
+    fsdp = [r["layouts"]["fsdp"] for r in ranks]
+    assert fsdp[0][2] == "ShardedDistributor" and fsdp[0][0] == fsdp[1][0]
+    assert fsdp[0][0]["optimizer/state_bytes"] == fsdp[0][1] + fsdp[1][1]
+    for key in exact:  # lossless: every block as one process computes it
+        assert _same(fsdp[0][0][f"optimizer/{key}"], single[f"optimizer/{key}"]), key
+    local = [r["layouts"]["local_replicas"] for r in ranks]
+    assert local[0][2] == "LocalShardDistributor" and local[0][0] == local[1][0]
+    assert local[0][1] == local[1][1] == local[0][0]["optimizer/state_bytes"]
     # the failures of rank 1's blocks (its stacks' failure counts), counted on both ranks
     assert ranks[0]["failed"] == 0 and ranks[1]["failed"] > 0
     assert ranks[0]["second"]["optimizer/fallbacks"] == ranks[1]["failed"]
