@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, pipeline
+from . import averaging, health, pipeline
 from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
@@ -82,6 +82,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._layout: Layout | None = None
         self._consolidation = saving.Consolidation()
         self._workspace = Workspace()
+        self._health = health.StepHealth()  # the last refresh, for metrics()
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
         self._chosen: Distributor | None = None  # set through the ``distributor`` property
@@ -517,6 +518,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         for stack, job in jobs:
             job.averaging = averaged[stack.group_index][0]
         pipeline.compute_directions(jobs, self._workspace, self._param_rows)
+        self._health.record(jobs, max(steps, default=0))
         distributor.finish_step(layout, active)
         for group, t, (_, lr_sum) in zip(groups, steps, averaged):
             group["step"] = t
@@ -667,6 +669,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._layout, self._distributor, self._chosen = None, None, None
         self._consolidation = saving.Consolidation()
         self._workspace, self._schedules = Workspace(), {}
+        self._health = health.StepHealth()
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
         if saved is not None:
@@ -690,6 +693,28 @@ class DistributedShampoo(torch.optim.Optimizer):
         return keys
 
     # ------------------------------------------------------------------ introspection
+    def metrics(self) -> dict[str, float]:
+        """The preconditioner's health as a flat dict of floats named ``optimizer/...``
+        (docs/metrics.md says what each means and what to do when it looks wrong): steps,
+        preconditioning, the last refresh's blocks and seconds, fallbacks since the last
+        call, the factors' largest and median condition numbers, the fraction of bases
+        the criterion recomputed, the grafting ratio per kind, the state's bytes.
+
+        Read from what the steps recorded (no pass over gradients or parameters). Under
+        DDP / FSDP2 every rank owns other blocks: the values are reduced over the ranks
+        the blocks are spread over (two small collectives), the same on every rank, so
+        every rank calls it together, as a step. Reading it starts the count of
+        fallbacks again from 0."""
+        with self._own_view():
+            layout = self._ensure_layout()
+            group = self._distributor.group
+            process_group = None if group is None else group.process_group
+            device = None
+            if dist.is_available() and dist.is_initialized():
+                device = agreement.collective_device(self._all_params(), process_group)
+            return health.collect(layout, self.param_groups, self._distributor,
+                                  self._health, device)
+
     @property
     def distributor(self) -> Distributor:
         """The distributor that places this optimizer's blocks (``distributors/``): its

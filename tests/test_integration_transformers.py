@@ -523,15 +523,19 @@ def test_run_module_and_script_modes(tmp_path, monkeypatch, capsys):
         launcher.main([str(tmp_path / "missing.py")])
 
 
-def test_example_prints_decreasing_loss():
+def test_example_prints_decreasing_loss(tmp_path):
+    pytest.importorskip("matplotlib")
     out = run([sys.executable, "examples/finetune_transformers.py", "--steps", "16",
                "--log-every", "4", "--batch-size", "8", "--block-size", "32", "--describe",
-               "--optim-args", "precondition_frequency=4"])
+               "--optim-args", "precondition_frequency=4", "--plot", str(tmp_path / "h.png")])
     line = next(row for row in out.splitlines()
                 if row.startswith("distributed_shampoo: training loss"))
     first, last = (float(x) for x in line.split("training loss ")[1].split(";")[0].split(" -> "))
     assert last < first
     assert "shampoo (dim 0 off)" in out
+    # the health at the end (docs/metrics.md) and its picture
+    assert "optimizer health at step 16 (docs/metrics.md): steps 16, preconditioning 1" in out
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_save_on_each_node_consolidates_onto_each_nodes_first_rank(monkeypatch):
