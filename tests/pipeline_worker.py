@@ -378,6 +378,8 @@ def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
         if save_at == step and checkpoint is not None:
             dcp.save(state_dict(), checkpoint_id=checkpoint)
     result["params"] = {n: full(p).flatten().tolist() for n, p in named}
+    # every rank of a stage asks together (a collective over the stage's group)
+    result["metrics"] = [opt.metrics() for opt in opts]
     rows = [row for opt in opts for row in opt.describe_blocks()]
     result["owned"] = [sum(r["state_bytes"] for r in rows if r["owned"]),
                        sum(r["state_bytes"] for r in rows)]

@@ -125,7 +125,8 @@ def assert_equal_to(got: dict[str, list[float]], expected: dict[str, list[float]
 
 def assert_stage_groups(got: list[dict], world: int, stage_size: int) -> None:
     """Each rank's optimizer spreads its blocks over its stage's ranks only; every block
-    of a stage is owned once there, and no rank holds much more than its share."""
+    of a stage is owned once there, and no rank holds much more than its share; each
+    stage's ranks report the same ``metrics()``, its state the stage's own."""
     for rank, g in enumerate(got):
         stage = rank // stage_size
         assert g["groups"] == [list(range(stage * stage_size, (stage + 1) * stage_size))] * len(
@@ -137,6 +138,9 @@ def assert_stage_groups(got: list[dict], world: int, stage_size: int) -> None:
         total = totals.pop()
         assert sum(g["owned"][0] for g in ranks) == total  # each block owned once
         assert max(g["owned"][0] for g in ranks) <= 1.25 * total / stage_size
+        metrics = [json.dumps(g["metrics"], sort_keys=True) for g in ranks]
+        assert len(set(metrics)) == 1, metrics
+        assert sum(m["optimizer/state_bytes"] for m in ranks[0]["metrics"]) == total
 
 
 # ---------------------------------------------------------------- 4 ranks: DDP and FSDP2
