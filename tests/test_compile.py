@@ -194,8 +194,7 @@ def test_changing_lr_does_not_recompile():
     _train(opt, params, grads[4:])  # four more learning rates and step counts
     assert compiled.graph_counts() == before
     # a handful of graphs per kernel, well under torch's recompile limit
-    limit = getattr(torch._dynamo.config, "recompile_limit", None)  # torch 2.6: cache_size_limit
-    assert max(before.values()) < (limit or torch._dynamo.config.cache_size_limit)
+    assert max(before.values()) < torch._dynamo.config.recompile_limit
 
 
 def test_checkpoint_resume_compiled_equals_eager_continuation():

@@ -17,12 +17,8 @@ import random
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
-
-try:  # torch's offsets for any coordinate of a mesh shape (a private helper of newer torch)
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-except ImportError:  # torch 2.6: only the public one, bound to this process's rank
-    _compute_local_shape_and_global_offset = None
 
 from hf_shampoo.distributors.placements import placement_box
 
@@ -55,9 +51,6 @@ def volume(box) -> int:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_boxes_are_torchs_offsets_for_shard_and_replicate(seed):
-    if _compute_local_shape_and_global_offset is None:
-        pytest.skip("this torch has no _compute_local_shape_and_global_offset (torch 2.6); "
-                    "tests/test_parallel.py checks the boxes against real shards")
     rng = random.Random(seed)
     for _ in range(60):
         shape, mesh, placements = draw(rng, strided=False)
