@@ -5,8 +5,9 @@ opt="shampoo", ...)``, so it gets timm's parameter groups (no weight decay on bi
 norms, optional layer decay). The default data are scikit-learn's bundled 8x8 digits,
 upsampled to ``--image-size`` with 3 channels (no download); ``--dataset NAME`` trains on a
 Hugging Face image-classification dataset instead. The run ends with a summary: loss at
-start and end, step and optimizer-step times, optimizer state bytes on every rank and the
-blocks each rank owns.
+start and end, step and optimizer-step times, optimizer state bytes on every rank, the
+blocks each rank owns and the preconditioner's health (``optimizer.metrics()``,
+docs/metrics.md).
 
 Launch (every rank runs this file; the blocks are spread over the ranks):
 
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     state = base_optimizer.state_dict()["state"]  # this rank's blocks only; no communication
     per_rank = gather_object([(accelerator.process_index, state_bytes(state),
                                sum(opt_s) / len(opt_s))])
+    health = base_optimizer.metrics() if is_shampoo else None  # every rank: a collective
     if not accelerator.is_main_process:
         return
     k = min(5, len(mean_losses))
@@ -310,6 +312,26 @@ def main(argv: list[str] | None = None) -> None:
         print("blocks per rank (blocks, block elements, factor-matrix elements): " + ", ".join(
             f"rank {rank}: {b} blocks, {e / 1e6:.2f}M, {f / 1e6:.2f}M"
             for rank, (b, e, f) in blocks_per_rank(base_optimizer).items()))
+    if health:
+        print(health_summary(health))
+
+
+def health_summary(metrics: dict[str, float]) -> str:
+    """A few lines from ``optimizer.metrics()`` (docs/metrics.md says what to do when one
+    looks wrong)."""
+    get = lambda name: metrics.get(f"optimizer/{name}", math.nan)
+    ratios = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.3g}" for k, v in metrics.items()
+                       if k.startswith("optimizer/graft_ratio/")) or "no grafting"
+    return "\n".join([
+        "optimizer health (optimizer.metrics(), docs/metrics.md):",
+        f"  preconditioning {get('preconditioning'):.0%} of blocks after "
+        f"{get('steps'):.0f} steps; last refresh {get('refresh_blocks'):.0f} blocks in "
+        f"{get('refresh_seconds'):.3f} s; {get('fallbacks'):.0f} fallbacks",
+        f"  factor condition numbers: largest {get('condition_max'):.3g}, median "
+        f"{get('condition_median'):.3g}; grafting ratio ||graft|| / ||P||: {ratios}",
+        f"  state {mib(get('state_bytes'))} in all, {mib(get('state_bytes_max_rank'))} on "
+        "the largest rank",
+    ])
 
 
 def _is_refresh(optimizer: torch.optim.Optimizer, step: int) -> bool:

@@ -5,9 +5,13 @@ Python's own standard library, the tokenizer a small byte-level BPE trained on t
 fraction of a second, and the model a tiny GPT-2 from a config. The run prints the training
 loss as it goes down (about a minute on two CPU cores). ``--model NAME`` fine-tunes a
 pretrained hub model instead (with its tokenizer), ``--dataset NAME`` uses a Hugging Face
-dataset, ``--compare-adamw`` trains the same model with AdamW on the same batches.
+dataset, ``--compare-adamw`` trains the same model with AdamW on the same batches. The
+Trainer's logs carry the optimizer's health (``optimizer/...``, docs/metrics.md); ``--plot
+PNG`` draws them with the loss against step (``python -m hf_shampoo.plot`` on the run's
+``trainer_state.json``; needs matplotlib) and the run ends with the last values.
 
     python examples/finetune_transformers.py
+    python examples/finetune_transformers.py --plot health.png
     python examples/finetune_transformers.py --model gpt2 --dataset wikitext \
         --dataset-config wikitext-2-raw-v1 --steps 500 --lr 5e-5
     torchrun --nproc_per_node 2 examples/finetune_transformers.py   # data parallel
@@ -73,6 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-dir", default=None, help="checkpoints (default: a temp dir)")
     p.add_argument("--describe", action="store_true", help="print the per-parameter table")
     p.add_argument("--compare-adamw", action="store_true", help="also train with AdamW")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw the loss and the optimizer's health metrics against step")
     return p.parse_args()
 
 
@@ -199,7 +205,16 @@ def train(args, optim: str, train_set, eval_set, tokenizer, output_dir: str):
     print(f"{'optimizer':>18}  {'step':>5}  {'loss':>8}  lr")
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
-    return table.losses, eval_loss
+    health = {}
+    if optim == hf_transformers.OPTIMIZER_NAME:
+        health = next((h for h in reversed(trainer.state.log_history)
+                       if "optimizer/steps" in h), {})
+        if args.plot and training_args.process_index == 0:
+            from hf_shampoo.plot import plot
+
+            trainer.save_state()  # output_dir/trainer_state.json: its log_history
+            print(f"loss and optimizer health against step: {plot(output_dir, args.plot)}")
+    return table.losses, eval_loss, health
 
 
 def main() -> None:
@@ -229,10 +244,14 @@ def main() -> None:
             results[optim] = train(
                 args, optim, train_set, eval_set, tokenizer, args.output_dir or tmp
             )
-    for optim, (losses, eval_loss) in results.items():
+    for optim, (losses, eval_loss, health) in results.items():
         first, last = losses[0][1], losses[-1][1]
         print(f"{optim}: training loss {first:.3f} -> {last:.3f}; evaluation loss "
               f"{eval_loss:.3f} (perplexity {math.exp(eval_loss):.1f})")
+        if health:
+            print(f"{optim}: optimizer health at step {health['step']} (docs/metrics.md): "
+                  + ", ".join(f"{k.removeprefix('optimizer/')} {v:.3g}"
+                              for k, v in health.items() if k.startswith("optimizer/")))
 
 
 if __name__ == "__main__":

@@ -142,13 +142,14 @@ class CompiledStages:
         return _scalar(1.0 - group["grafting_beta2"] ** step if adam else 1.0)
 
     def apply_grafting(self, state: dict, group, step: int, direction: Tensor,
-                       filtered: Tensor, grafting_rows: list[int], out: Tensor) -> Tensor | None:
+                       filtered: Tensor, grafting_rows: list[int], out: Tensor,
+                       norms: list | None = None) -> Tensor | None:
         """``stages.apply_grafting`` with the grafting direction by the compiled kernel; the
         norms stay eager: torch's float32 norm of a large block is off by a few 1e-6 (its
         summation order), and a fused sum in another order would not give eager's
         numbers."""
         return stages.apply_grafting(state, group, step, direction, filtered, grafting_rows,
-                                     out, graft_fn=self.graft)
+                                     out, graft_fn=self.graft, norms=norms)
 
     def finish_direction(self, state: dict, group, direction: Tensor, scale: Tensor | None,
                          owned: bool, param: Tensor | None, lr: float, out: Tensor,

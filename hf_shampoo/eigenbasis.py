@@ -199,7 +199,7 @@ def qr_iteration(
 
 def qr_algorithm_direct(
     matrices: Tensor, basis: Tensor, iterations: int, tolerance: float = 0.0,
-    method: str = "householder",
+    method: str = "householder", first_stale: list | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Meta's QR algorithm (``matrix_functions.qr_algorithm``) without the rotated frame.
 
@@ -209,7 +209,8 @@ def qr_algorithm_direct(
     four, and the factorization by ``method`` (``orthonormal_basis``). The criterion is
     Meta's, via ``check_basis`` (``τ = 0``: iterate unless ``B`` is exactly diagonal).
     Column signs may differ from Meta's, which nothing downstream sees. Returns
-    ``(basis, estimates)`` sorted ascending (stable).
+    ``(basis, estimates)`` sorted ascending (stable); ``first_stale`` receives the first
+    check's ``stale`` mask (which matrices it iterated at all), for ``metrics()``.
     """
     n = matrices.shape[0]
     basis = basis.clone(memory_format=torch.contiguous_format)
@@ -221,6 +222,8 @@ def qr_algorithm_direct(
         sub_q = basis if every else basis[active]
         sub_p = product if every else product[active]
         check = check_basis(sub_a, sub_q, tolerance, sub_p, zero_means_all=False)
+        if first_stale is not None and not first_stale:
+            first_stale.append(check.stale)
         going = check.stale.nonzero().flatten()
         if len(going) == 0:
             break

@@ -15,9 +15,10 @@ from contextlib import contextmanager
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, pipeline
+from . import averaging, health, pipeline
 from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
@@ -31,6 +32,7 @@ from .config import (
     vector_settings,
 )
 from .distributors import Distributor, agreement, make_distributor
+from .distributors.groups import group_over, ranks_of
 from .distributors.zero import ZeroPartitions, find_zero_partitions
 from .pipeline import Layout
 from .preconditioners import kind_of
@@ -61,7 +63,12 @@ class DistributedShampoo(torch.optim.Optimizer):
     ) -> None:
         """The common keywords by position or name, every other keyword of the table
         (``config.TABLE``, docs/keywords.md) by name; ``__init__.__signature__`` lists them
-        all."""
+        all. ``process_group`` (not a hyperparameter: it is not saved with the groups) is
+        the data-parallel group the blocks are spread over, a ``ProcessGroup`` or a 1-D
+        ``DeviceMesh`` (torch's name, as ``ZeroRedundancyOptimizer`` and DDP take it; a
+        pipeline stage's group: docs/parallelism.md#pipeline-parallel); without it, the
+        world, or the ranks of the DTensor parameters' meshes."""
+        process_group = keywords.pop("process_group", None)
         unknown = {key: value for key, value in keywords.items() if key not in DEFAULTS}
         if unknown:
             refuse_unknown_keywords(unknown, "DistributedShampoo()")
@@ -75,11 +82,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._layout: Layout | None = None
         self._consolidation = saving.Consolidation()
         self._workspace = Workspace()
+        self._health = health.StepHealth()  # the last refresh, for metrics()
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
         self._chosen: Distributor | None = None  # set through the ``distributor`` property
         self._constructed: list[list[Tensor]] | None = None
         self._checked: list[list[Tensor]] = []  # the groups' lists _zero was found for
+        self._process_group = process_group
         super().__init__(params, defaults)
         # DeepSpeed ZeRO 1/2 replaces the groups' parameters by flat partitions and shows
         # step() one group at a time (distributors/zero.py): what the groups held, and the
@@ -93,7 +102,9 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     __init__.__signature__ = signature().replace(parameters=[  # type: ignore[attr-defined]
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        *signature().parameters.values()])
+        *signature().parameters.values(),
+        inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation="ProcessGroup | DeviceMesh | None")])
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -216,15 +227,33 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _pick_distributor(self, final: bool = True) -> Distributor:
         if self._in_own_view and self._zero is not None:
+            if self._process_group is not None and \
+                    sorted(ranks_of(self._process_group)) != list(range(dist.get_world_size())):
+                raise ValueError(
+                    "DistributedShampoo: process_group is not supported under DeepSpeed ZeRO "
+                    "(its partitions span DeepSpeed's own data-parallel group, which must be "
+                    "the world here: docs/deepspeed.md); leave process_group out, or use "
+                    "FSDP2 / DDP stages for pipeline parallelism")
             return self._zero.distributor
         if self._chosen is not None:
             return self._chosen
         d = self.defaults
+        params = self._all_params()
         return make_distributor(
-            d["distributed"], self._all_params(), d["num_trainers_per_group"],
+            d["distributed"], params, d["num_trainers_per_group"],
             d["communication_dtype"], d["assignment_cost"], d["fsdp_mode"],
-            current=self._distributor, final=final,
+            current=self._distributor, final=final, process_group=self._process_group,
+            names=self._param_names(),
         )
+
+    def _param_names(self) -> list[str]:
+        """``param_name`` of every parameter, in ``param_index`` order (for errors)."""
+        names = []
+        for gi, group in enumerate(self.param_groups):
+            listed = group.get("param_names")
+            names += [listed[k] if listed else f"group {gi} param {k} (shape {tuple(p.shape)})"
+                      for k, p in enumerate(group["params"])]
+        return names
 
     def _param_refs(self) -> list[tuple[int, int, Tensor]]:
         """``(group index, position in the group, parameter)`` of every parameter, in the
@@ -332,7 +361,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 named = self.param_groups[block.group_index].get("param_names")
                 entry = entries[block.param_index] = {
                     "index": block.param_index, "name": block.name if named else None,
-                    "param": agreement.param_key(block.param, self._distributor.world_size),
+                    "param": agreement.param_key(block.param, self._group_ranks()),
                     "blocks": []}
             entry["blocks"].append([list(shape), group, str(work_dtype).removeprefix(
                 "torch."), repr(overrides), float(cost)])
@@ -347,8 +376,17 @@ class DistributedShampoo(torch.optim.Optimizer):
         collectives depend on it."""
         if plan.agreed or not self._distributor.needs_agreement():
             return plan.checked()
-        agreement.check(plan, device=agreement.collective_device(self._all_params()))
+        group = self._distributor.group
+        process_group = None if group is None else group.process_group
+        agreement.check(plan, group=process_group,
+                        device=agreement.collective_device(self._all_params(), process_group))
         return plan.checked()
+
+    def _group_ranks(self) -> int | tuple[int, ...]:
+        """The global ranks blocks are spread over (the world's size where the distributor
+        has no group)."""
+        group = self._distributor.group
+        return self._distributor.world_size if group is None else group.ranks
 
     def _agree(self, layout: Layout) -> None:
         """Before a layout's first collective (a step, ``train()`` / ``eval()``): its plan
@@ -487,6 +525,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         for stack, job in jobs:
             job.averaging = averaged[stack.group_index][0]
         pipeline.compute_directions(jobs, self._workspace, self._param_rows)
+        self._health.record(jobs, max(steps, default=0))
         distributor.finish_step(layout, active)
         for group, t, (_, lr_sum) in zip(groups, steps, averaged):
             group["step"] = t
@@ -556,22 +595,31 @@ class DistributedShampoo(torch.optim.Optimizer):
             return saving.save(self, lambda: self._consolidation.copy()
                                or self.local_state_dict(), self._all_params())
 
+    def _materialize_owned_state(self) -> None:
+        """Every owned block's state tensors, allocated (at their initial values) where no
+        step has yet."""
+        with self._own_view():
+            layout = self._ensure_layout()
+            for stack in layout.owned:
+                stack.materialize(stack.settings(self.param_groups))
+
     def local_state_dict(self) -> dict[str, Any]:
         """The state of the blocks this rank owns (the whole state in one process)."""
         with self._own_view():
+            self._materialize_owned_state()  # every owned block has state, also before a step
             layout = self._ensure_layout()
-            for stack in layout.owned:  # every owned block has state, also before a step
-                stack.materialize(stack.settings(self.param_groups))
             return saving.pack_state(self.param_groups, layout.owned, self._distributor,
                                      layout.blockings)
 
     def consolidate_state_dict(self, to: int | Iterable[int] | None = 0) -> None:
-        """Gather every rank's blocks onto global rank ``to`` (a collective: every rank
-        calls it), so that ``state_dict()`` there returns the full state until the next
-        ``step()``, as torch's ``ZeroRedundancyOptimizer`` does. ``to`` may also be several
-        ranks (e.g. each node's first rank, for ``save_on_each_node``) or ``None`` for every
-        rank. Tools that save on one rank only (Trainer, Accelerate) call this first; in
-        one process it does nothing."""
+        """Gather every rank's blocks onto rank ``to`` (a collective: every rank of the
+        optimizer's group calls it), so that ``state_dict()`` there returns the full state
+        until the next ``step()``, as torch's ``ZeroRedundancyOptimizer`` does. ``to`` counts
+        ranks within the group the blocks are spread over, as torch's does: the global rank
+        without ``process_group``, a position in a pipeline stage's group with one. ``to``
+        may also be several ranks (e.g. each node's first rank, for ``save_on_each_node``)
+        or ``None`` for every rank. Tools that save on one rank only (Trainer, Accelerate)
+        call this first; in one process it does nothing."""
         with self._own_view():
             return self._consolidate_state_dict(to)
 
@@ -579,7 +627,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._consolidation.forget()
         self._ensure_layout()
         if self._distributor.is_sharded_state:
-            self._consolidation.gather(self.local_state_dict(), to)
+            self._consolidation.gather(self.local_state_dict(), to, self._distributor.group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict``: this rank takes the blocks it owns (so a
@@ -605,6 +653,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         plus this rank's state in the checkpoint layout, so that the copy continues
         exactly as the original would. Hooks are not kept, as in torch."""
         state = super().__getstate__()
+        # a process group is not copied: its ranks are, and the copy uses the same group
+        group = self._process_group
+        state["_process_group_ranks"] = None if group is None else ranks_of(group)
         layout = self._layout
         stepped = layout is not None and any(s.state for s in layout.owned)
         state["state"] = {}
@@ -615,7 +666,9 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         saved = state.pop("_saved_state", None)
+        ranks = state.pop("_process_group_ranks", None)
         super().__setstate__(state)
+        self._process_group = None if ranks is None else group_over(ranks).process_group
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it
         self._groups = self.param_groups
         self._constructed = [list(group["params"]) for group in self.param_groups]
@@ -623,6 +676,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._layout, self._distributor, self._chosen = None, None, None
         self._consolidation = saving.Consolidation()
         self._workspace, self._schedules = Workspace(), {}
+        self._health = health.StepHealth()
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
         if saved is not None:
@@ -646,6 +700,28 @@ class DistributedShampoo(torch.optim.Optimizer):
         return keys
 
     # ------------------------------------------------------------------ introspection
+    def metrics(self) -> dict[str, float]:
+        """The preconditioner's health as a flat dict of floats named ``optimizer/...``
+        (docs/metrics.md says what each means and what to do when it looks wrong): steps,
+        preconditioning, the last refresh's blocks and seconds, fallbacks since the last
+        call, the factors' largest and median condition numbers, the fraction of bases
+        the criterion recomputed, the grafting ratio per kind, the state's bytes.
+
+        Read from what the steps recorded (no pass over gradients or parameters). Under
+        DDP / FSDP2 every rank owns other blocks: the values are reduced over the ranks
+        the blocks are spread over (two small collectives), the same on every rank, so
+        every rank calls it together, as a step. Reading it starts the count of
+        fallbacks again from 0."""
+        with self._own_view():
+            layout = self._ensure_layout()
+            group = self._distributor.group
+            process_group = None if group is None else group.process_group
+            device = None
+            if dist.is_available() and dist.is_initialized():
+                device = agreement.collective_device(self._all_params(), process_group)
+            return health.collect(layout, self.param_groups, self._distributor,
+                                  self._health, device)
+
     @property
     def distributor(self) -> Distributor:
         """The distributor that places this optimizer's blocks (``distributors/``): its

@@ -22,6 +22,7 @@ steady step allocates next to nothing.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections import ChainMap
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import averaging, compiled, stages
+from .health import StackHealth
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
 
@@ -123,6 +125,7 @@ class StackStep:
     cache: dict = field(default_factory=dict)  # the kind's values shared within this step
     # iterate averaging's (1 - μ_x μ_y, 1 - μ_x, float32 lr) this step (averaging.py)
     averaging: tuple[float, float, float] | None = None
+    refresh_seconds: float = 0.0  # host seconds of the kind's refresh calls (health.py)
 
 
 @dataclass
@@ -156,6 +159,8 @@ class BlockStack:
     gathered_param: Tensor | None = field(default=None, repr=False)  # FSDP owners: weights
     # what differs from the group for these blocks (vector_preconditioner's settings)
     overrides: dict = field(default_factory=dict)
+    # what the steps recorded for optimizer.metrics() (health.py; this rank's stacks)
+    health: StackHealth = field(default_factory=StackHealth, repr=False)
 
     def settings(self, groups: list[dict]) -> Mapping:
         """The hyperparameters of these blocks: their group's, live (a scheduler's lr
@@ -233,22 +238,29 @@ class BlockStack:
         fdtype = group["factor_matrix_dtype"]
         g = grad if grad.dtype == fdtype else grad.to(fdtype)
         kind.update_statistics(self, job, g, scratch)
+        start = time.perf_counter()
         for rows, first in split_first(job.refresh_rows, job.first_rows):
             kind.refresh(self, job, rows, first, workspace)
+        if job.refresh_rows:
+            job.refresh_seconds = time.perf_counter() - start
         kind.after_refresh(self, job, g, scratch)
         # line 3: grafting state from the same (post-L2) gradient; line 4: filtered gradient
         stages.update_grafting_state(state, group, grad)
         filtered = stages.filtered_gradient(state, group, step, grad, scratch("filtered"))
         # line 5: search direction, grafted
         scale = None
+        self.health.graft = None
         if not kind.grafted:
             direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
         elif group["grafting"] is not None and len(job.grafting_rows) == grad.shape[0]:
             direction = stages.graft(state, group, step, filtered, scratch("graft"))
         else:
             direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
+            norms: list = []  # the norms grafting takes anyway, kept for metrics()
             scale = stages.apply_grafting(state, group, step, direction, filtered,
-                                          job.grafting_rows, scratch("graft"))
+                                          job.grafting_rows, scratch("graft"), norms=norms)
+            if norms:
+                self.health.graft = (step, *norms[0], tuple(job.grafting_rows))
         # lines 6–8: weight decay, momentum, -lr
         stages.finish_direction(state, group, direction, scale, direction is not filtered,
                                 job.param, lr, out, scratch("direction"))
@@ -259,15 +271,28 @@ class BlockStack:
             averaging.apply(state, job.averaging, decay, param, out, scratch("averaged"))
 
     def count_failures(self, name: str, ok: Tensor, members: list[int], step: int,
-                       what: str = "eigendecomposition") -> None:
+                       what: str = "eigendecomposition", eigenvalues: Tensor | None = None,
+                       group: Mapping | None = None) -> None:
         """Record which members' decompositions (``what``) of ``name`` failed this refresh;
-        warn, or raise after too many failures in a row."""
+        warn, or raise after too many failures in a row. ``eigenvalues``: of the refreshed
+        ``A + εI``, one row per member or per member that succeeded, for the condition
+        numbers of ``metrics()`` (``health.py``; ``group``: the blocks' settings)."""
         counts = self.failures.setdefault(name, [0] * len(self.members))
-        for position, success in zip(members, ok.tolist()):
+        flags = ok.tolist()
+        if eigenvalues is not None:
+            good = [r for r, success in enumerate(flags) if success]
+            values = eigenvalues
+            if len(good) < len(flags) and eigenvalues.shape[0] == len(flags):
+                values = eigenvalues[torch.tensor(good, dtype=torch.long,
+                                                  device=eigenvalues.device)]
+            self.health.record_condition(name, len(self.members),
+                                         [members[r] for r in good], values, group)
+        for position, success in zip(members, flags):
             if success:
                 counts[position] = 0
                 continue
             counts[position] += 1
+            self.health.fallbacks += 1
             member = self.members[position]
             message = (
                 f"DistributedShampoo: {what} of {name} of parameter "

@@ -134,18 +134,22 @@ def graft(state: dict, group: dict, step: int, x: Tensor, out: Tensor) -> Tensor
 
 def apply_grafting(
     state: dict, group: dict, step: int, direction: Tensor, filtered: Tensor,
-    grafting_rows: list[int], out: Tensor, graft_fn=graft,
+    grafting_rows: list[int], out: Tensor, graft_fn=graft, norms: list | None = None,
 ) -> Tensor | None:
     """Line 5: per block, the scale ``‖graft(Ĝ)‖ / ‖P‖`` that gives the preconditioned
     direction the grafting method's norm (None without grafting). Rows that still graft
     (a staggered start) get scale 1 and the grafting direction itself. ``graft_fn``
-    computes the grafting direction (``graft``, or the compiled stages' kernel)."""
+    computes the grafting direction (``graft``, or the compiled stages' kernel);
+    ``norms`` receives ``(‖graft(Ĝ)‖, ‖P‖)`` per row (the tensors themselves, for
+    ``metrics()``)."""
     if group["grafting"] is None:
         return None
     reduce = tuple(range(1, direction.dim()))
     grafted = graft_fn(state, group, step, filtered, out)
     graft_norm = torch.linalg.vector_norm(grafted, dim=reduce, keepdim=True)
     norm = torch.linalg.vector_norm(direction, dim=reduce, keepdim=True)
+    if norms is not None:
+        norms.append((graft_norm, norm))
     scale = graft_norm / (norm + GRAFTING_NORM_EPSILON)
     if grafting_rows:
         scale[grafting_rows] = 1.0

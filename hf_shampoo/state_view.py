@@ -18,6 +18,7 @@ them at the next ``step()``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -127,6 +128,12 @@ class StateView(MutableMapping):
         if not isinstance(param, Tensor):
             return self.foreign[param]
         found = self._stacked().get(id(param))
+        if found is None and _asked_by_torch_unflatten():
+            # torch's set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) takes
+            # the names of each parameter's state from this entry: lay the state out first
+            # (as state_dict() does), else it would load nothing, silently
+            self._optimizer._materialize_owned_state()
+            found = self._stacked().get(id(param))
         _, extra = self._extra.setdefault(id(param), (param, {}))
         return StateEntry(found[1] if found is not None else {}, extra)
 
@@ -152,3 +159,12 @@ class StateView(MutableMapping):
 
     def __repr__(self) -> str:
         return f"StateView({len(self)} parameters with state on this rank)"
+
+
+def _asked_by_torch_unflatten() -> bool:
+    """Whether the code asking for ``optimizer.state[param]`` is torch's
+    ``_unflatten_optim_state_dict`` (``torch.distributed.checkpoint.state_dict``), which
+    rebuilds each parameter's state from the names this entry lists."""
+    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    code = getattr(getattr(module, "_unflatten_optim_state_dict", None), "__code__", None)
+    return code is not None and sys._getframe(2).f_code is code

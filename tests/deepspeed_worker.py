@@ -196,8 +196,26 @@ def zero3(out: dict) -> None:
         out["message"] = str(error)
 
 
+def stage_group(out: dict) -> None:
+    """ZeRO 2 with an optimizer built over a group of its own (a pipeline stage's,
+    ``process_group=``): refused at the first step, before anything changes."""
+    import deepspeed
+
+    ids = batches(dist.get_world_size())
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    model = gpt2()
+    opt = make_optimizer(model, "transformer", **PRESETS["transformer"],
+                         process_group=groups[dist.get_rank()])
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(2))
+    try:
+        train(engine, ids, range(1))
+        out["message"] = "trained"
+    except ValueError as error:
+        out["message"] = str(error)
+
+
 SCENARIOS = {"fp32": fp32, "bf16": bf16, "checkpoint": checkpoint, "resume_one": resume_one,
-             "zero3": zero3}
+             "zero3": zero3, "stage_group": stage_group}
 
 
 def main() -> None:

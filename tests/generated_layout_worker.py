@@ -120,9 +120,38 @@ def as_module(params, names) -> nn.Module:
     return module
 
 
+def stage_case(case: dict) -> dict:
+    """A pipeline case as this rank's stage: its parameters, placed on the stage's
+    sub-meshes of the ``("pp", ...)`` mesh (every stage saves into one DCP directory, its
+    names its own)."""
+    pipeline = case["pipeline"]
+    mesh = build_mesh(pipeline["mesh"])
+    stage = pipeline["stages"][mesh["pp"].get_local_rank()]
+    out = {**case, "names": stage["names"], "shapes": stage["shapes"],
+           "no_grad": stage["no_grad"], "layout": {"mesh": pipeline["mesh"],
+                                                   "where": stage["where"]},
+           "stage": mesh["pp"].get_local_rank()}
+    if "resume_mesh" in pipeline:
+        out["resume_layout"] = {"mesh": pipeline["resume_mesh"],
+                                "where": stage["resume_where"]}
+    del out["pipeline"]
+    return out
+
+
 def run_synthetic(case: dict, work: str) -> dict:
+    if "pipeline" in case:
+        result = _run_synthetic(stage_case(case), work, everyone=True)
+        return {**result, "stage": stage_case(case)["stage"]}
+    return _run_synthetic(case, work)
+
+
+def _run_synthetic(case: dict, work: str, everyone: bool = False) -> dict:
+    """``everyone``: every rank of the world learns whether any found torch's placement
+    unable to rebuild a tensor, so that all skip the case together (pipeline stages draw
+    their own tensors)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
@@ -138,6 +167,11 @@ def run_synthetic(case: dict, work: str) -> dict:
         other = build_mesh(case["resume_layout"]["mesh"])
         torn += [n for n, t, w in zip(names, initial, case["resume_layout"]["where"])
                  if not torch.equal(full(place(t, other, w)), t)]
+    if everyone:
+        flag = torch.tensor([int(bool(torn))])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not torn:
+            torn = ["(another stage's parameters)"]
     if torn:  # torch's own placement does not give the tensor back: not ours to judge
         return {"invalid": f"torch's full_tensor() does not rebuild {torn}"}
     opt = optimizer(params, names, case["config"])
@@ -154,7 +188,11 @@ def run_synthetic(case: dict, work: str) -> dict:
     # resume layout, go on to the last step
     opt.zero_grad(set_to_none=True)
     path = os.path.join(work, f"dcp_{case['seed']}")
-    dcp.save({"optimizer": get_optimizer_state_dict(as_module(params, names), opt)},
+    # pipeline stages write one directory: their groups' entries keyed by parameter name
+    # (torchtitan's option), not by position (which the stages' groups would share)
+    options = StateDictOptions(flatten_optimizer_state_dict=everyone)
+    dcp.save({"optimizer": get_optimizer_state_dict(as_module(params, names), opt,
+                                                    options=options)},
              checkpoint_id=path)
     saved = [full(p) for p in params]
     other = build_mesh(case["resume_layout"]["mesh"])
@@ -162,9 +200,9 @@ def run_synthetic(case: dict, work: str) -> dict:
     params = [nn.Parameter(place(t, other, w)) for t, w in zip(saved, other_where)]
     opt = optimizer(params, names, case["config"])
     module = as_module(params, names)
-    state = {"optimizer": get_optimizer_state_dict(module, opt)}
+    state = {"optimizer": get_optimizer_state_dict(module, opt, options=options)}
     dcp.load(state, checkpoint_id=path)
-    set_optimizer_state_dict(module, opt, state["optimizer"])
+    set_optimizer_state_dict(module, opt, state["optimizer"], options=options)
     set_grad = lambda i, p, g: place(g, other, other_where[i])  # noqa: E731
     steps(params, shapes, opt, case, resume_at + 1, case["steps"], set_grad)
     result["state"] = state_numel(opt)

@@ -264,6 +264,11 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
         if rng.random() < 0.4:  # resumed under another tp x dp split of the same model
             case["resume_at"] = rng.randint(2, steps - 1)
             case["resume_split"] = draw_split(rng, world)
+    elif world >= 4 and random.Random(seed * 31 + 7).random() < PIPELINE_SHARE:
+        # (a separate draw: the other cases of a seed stay what they were)
+        case.update(draw_pipeline(rng, world, steps, config["kind"]))
+        case["config"] = config
+        return case
     else:
         shapes = [draw_shape(rng) for _ in range(rng.randint(2, 5))]
         names = [f"p{i}" for i in range(len(shapes))]
@@ -284,15 +289,60 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
 
 def draw_layout(rng: random.Random, world: int, shapes) -> dict[str, Any]:
     mesh = draw_mesh(rng, world)
+    return {"mesh": mesh, "where": draw_where(rng, mesh, shapes)}
+
+
+def draw_where(rng: random.Random, mesh: dict[str, Any], shapes,
+               first_placed: bool = False) -> list:
+    """Each tensor plain (None) or on a drawn sub-mesh with drawn placements; with
+    ``first_placed`` the first one a DTensor (a pipeline stage's mesh is found from its
+    DTensors)."""
     options = sub_meshes(mesh)
     where = []
     for shape in shapes:
-        if rng.random() < 0.15:
+        if rng.random() < 0.15 and not (first_placed and not where):
             where.append(None)  # a plain tensor beside the DTensors
             continue
         dims = rng.choice(options)
         where.append((dims, draw_placements(rng, mesh, dims, shape)))
-    return {"mesh": mesh, "where": where}
+    return where
+
+
+#: the share of synthetic cases of 4 and 8 ranks drawn as pipeline stages
+PIPELINE_SHARE = 0.3
+
+
+def draw_pipeline(rng: random.Random, world: int, steps: int, kind: str) -> dict[str, Any]:
+    """Two pipeline stages on a ``("pp", ...)`` mesh: the inner mesh drawn over half the
+    ranks, each stage its own parameters (names ``s{stage}.p{i}``, shapes, placements on
+    inner sub-meshes, steps without gradients), one optimizer per stage without a group
+    (the ``"pp"`` dim marks the stages); for some, a DCP save at ``resume_at`` resumed
+    under a second drawn inner mesh."""
+    def with_pp(inner: dict[str, Any]) -> dict[str, Any]:
+        return {"shape": (2, *inner["shape"]), "names": ("pp", *inner["names"]),
+                "flatten": inner["flatten"]}
+
+    inner = draw_mesh(rng, world // 2)
+    resume_inner = draw_mesh(rng, world // 2) if rng.random() < 0.4 else None
+    stages = []
+    for stage in range(2):
+        shapes = [draw_shape(rng) for _ in range(rng.randint(1, 4))]
+        names = [f"s{stage}.p{i}" for i in range(len(shapes))]
+        if kind == "riemannian_lora":
+            for name, shape in lora_pair(rng, f"s{stage}.block"):
+                names.append(name)
+                shapes.append(shape)
+        entry = {"names": names, "shapes": shapes,
+                 "where": draw_where(rng, inner, shapes, first_placed=True),
+                 "no_grad": draw_no_grad(rng, len(shapes), steps)}
+        if resume_inner is not None:
+            entry["resume_where"] = draw_where(rng, resume_inner, shapes, first_placed=True)
+        stages.append(entry)
+    out: dict[str, Any] = {"pipeline": {"mesh": with_pp(inner), "stages": stages}}
+    if resume_inner is not None:
+        out["resume_at"] = rng.randint(2, steps - 1)
+        out["pipeline"]["resume_mesh"] = with_pp(resume_inner)
+    return out
 
 
 def draw_model(rng: random.Random, world: int) -> dict[str, Any]:

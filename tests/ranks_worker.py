@@ -5,9 +5,9 @@ and the step counts stayed as they were, and the distributor's class.
 
 A pipeline split gives rank ``r`` its own stage of one 4-layer model (world 2: layers 0-1
 on rank 0, 2-3 on rank 1; world 3: ranks 0 and 1 hold layers 0-1, rank 2 layers 2-3), as
-plain tensors (the data-parallel distributor) or fully_shard'ed on a 1-rank sub-mesh of
-its own (the sharded distributor). ``run_world`` is the ``mp.spawn`` entry; it writes
-``rank{r}.json``.
+plain tensors (the data-parallel distributor over the world: refused) or fully_shard'ed on
+a 1-rank sub-mesh of its own (the sharded distributor over that mesh's ranks: it steps).
+``run_world`` is the ``mp.spawn`` entry; it writes ``rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -131,6 +131,18 @@ def added_group(rank: int, world: int) -> dict:
     return result
 
 
+def no_mesh_world_group(rank: int, world: int) -> dict:
+    """As ``no_mesh``, with the world named as the group: the last rank is in the group
+    but holds no part of the parameter."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+    opt = DistributedShampoo([param], lr=0.1, process_group=dist.group.WORLD)
+    return attempt(opt, [param])
+
+
 def no_mesh(rank: int, world: int) -> dict:
     """The same parameter on every rank, on a mesh of ranks [0, 1] only: the last rank of
     a world of 3 holds no part of it."""
@@ -143,6 +155,69 @@ def no_mesh(rank: int, world: int) -> dict:
     return attempt(opt, [param])
 
 
+def _constructed(build) -> dict:
+    """``build()`` → (optimizer, params): a refusal at construction as ``attempt`` reports
+    one at the step."""
+    try:
+        opt, params = build()
+    except (ValueError, TypeError) as error:
+        return {"outcome": f"{type(error).__name__}: {error}", "unchanged": True, "kind": None}
+    return attempt(opt, params)
+
+
+def _stage_groups(world: int):
+    """Every rank creates both stages' groups, in the same order (torch's rule for
+    ``new_group``): ranks ``[0, world - 1)`` and ``[world - 1]``."""
+    first = dist.new_group(list(range(world - 1)))
+    last = dist.new_group([world - 1])
+    return first, last
+
+
+def stage_groups(rank: int, world: int, **config) -> dict:
+    """Plain stages, each optimizer over its stage's own group: they step."""
+    first, last = _stage_groups(world)
+    stage = make_stage(stage_of(rank, world))
+    group = last if rank == world - 1 else first
+
+    def build():
+        return (DistributedShampoo(stage.parameters(), lr=0.1, process_group=group, **config),
+                list(stage.parameters()))
+
+    return _constructed(build)
+
+
+def group_without_rank(rank: int, world: int) -> dict:
+    """Every rank passes the first stage's group: the last rank is not in it."""
+    first, _ = _stage_groups(world)
+    stage = make_stage(0)
+    return _constructed(lambda: (DistributedShampoo(stage.parameters(), lr=0.1,
+                                                    process_group=first),
+                                 list(stage.parameters())))
+
+
+def mesh_outside_group(rank: int, world: int) -> dict:
+    """A parameter sharded over the whole world, each rank naming its stage's group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    first, last = _stage_groups(world)
+    param = torch.nn.Parameter(distribute_tensor(torch.ones(6, 3), mesh, [Shard(0)]))
+    group = last if rank == world - 1 else first
+    return _constructed(lambda: (DistributedShampoo([param], lr=0.1, process_group=group),
+                                 [param]))
+
+
+def two_dim_mesh(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    stage = make_stage(0)
+    return _constructed(lambda: (DistributedShampoo(stage.parameters(), lr=0.1,
+                                                    process_group=mesh),
+                                 list(stage.parameters())))
+
+
 SCENARIOS = {
     2: {"pipeline_plain": pipeline_plain,
         "pipeline_none": lambda r, w: pipeline_plain(r, w, distributed="none"),
@@ -151,7 +226,13 @@ SCENARIOS = {
         "pipeline_sharded_local": lambda r, w: pipeline_sharded(r, w, fsdp_mode="local"),
         "equal": equal, "settings": settings, "added_group": added_group},
     3: {"pipeline_plain": pipeline_plain, "pipeline_sharded": pipeline_sharded,
-        "equal": equal, "no_mesh": no_mesh},
+        "equal": equal, "no_mesh": no_mesh, "no_mesh_world_group": no_mesh_world_group,
+        "stage_groups": stage_groups,
+        "stage_groups_trainers": lambda r, w: stage_groups(r, w, num_trainers_per_group=1),
+        "stage_groups_trainers_2": lambda r, w: stage_groups(r, w, num_trainers_per_group=2),
+        "stage_groups_none": lambda r, w: stage_groups(r, w, distributed="none"),
+        "group_without_rank": group_without_rank, "mesh_outside_group": mesh_outside_group,
+        "two_dim_mesh": two_dim_mesh},
 }
 
 

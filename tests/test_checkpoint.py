@@ -229,3 +229,45 @@ def test_load_sharded_refuses_a_checkpoint_with_other_state_tensors(tmp_path, mo
     fresh = DistributedShampoo(list(make_params().values()), **config)
     with pytest.raises(ValueError, match="lacks its"):
         load_sharded(fresh, tmp_path / "ckpt")
+
+
+def test_state_dict_groups_do_not_share_nested_values_with_the_optimizer():
+    """``dcp.load`` fills a state dict's nested values in place: the optimizer's own
+    groups must not change with them (it wrote ``"2"`` beside ``2`` into
+    ``inverse_exponent_override``, and the next load refused the group)."""
+    params = make_params({"w": (6, 4)})
+    opt = DistributedShampoo(params.values(), inverse_exponent_override={2: {0: 0}})
+    saved = opt.state_dict()["param_groups"][0]["inverse_exponent_override"]
+    saved["2"] = {"0": 0}
+    saved[2][1] = 0
+    assert opt.param_groups[0]["inverse_exponent_override"] == {2: {0: 0}}
+
+
+@pytest.mark.parametrize("name", ["shampoo-graft-momentum", "eigenvalue-corrected"])
+def test_torch_flattened_state_dict_loads_into_a_fresh_optimizer(name):
+    """torch's ``set_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` takes
+    each parameter's state names from ``optimizer.state[p]``: into an optimizer that has
+    not stepped (nor been asked for its state) it loaded nothing, silently. It resumes
+    bit-identically now."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    params = make_params()
+    model = torch.nn.ParameterDict(params)
+    opt = DistributedShampoo(model.parameters(), **CONFIGS[name])
+    do_steps(params, opt, 1, 4)
+    saved = get_optimizer_state_dict(model, opt, options=options)
+    fresh_params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    fresh_model = torch.nn.ParameterDict(fresh_params)
+    fresh = DistributedShampoo(fresh_model.parameters(), **CONFIGS[name])
+    set_optimizer_state_dict(fresh_model, fresh, saved, options=options)
+    assert sum(len(fresh.state[p]) for p in fresh_params.values()) == sum(
+        len(opt.state[p]) for p in params.values()) > 0
+    do_steps(params, opt, 4, 7)
+    do_steps(fresh_params, fresh, 4, 7)
+    for n in params:
+        assert torch.equal(params[n], fresh_params[n]), n

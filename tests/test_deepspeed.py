@@ -132,6 +132,15 @@ def test_zero3_is_refused_at_the_first_step(tmp_path):
     assert "ZeRO stage 1 or 2" in result["message"] and "FSDP2" in result["message"]
 
 
+def test_a_stage_group_is_refused_under_zero(tmp_path):
+    """DeepSpeed's partitions span its own data-parallel group, the world here: an
+    optimizer over a pipeline stage's group is refused with a way out."""
+    result = scenario_single("stage_group", tmp_path)
+    assert result["message"].startswith(
+        "DistributedShampoo: process_group is not supported under DeepSpeed ZeRO"), result
+    assert "use FSDP2 / DDP stages for pipeline parallelism" in result["message"]
+
+
 def scenario_single(name: str, out_dir: Path) -> dict:
     return scenario(name, out_dir)[0]
 

@@ -30,8 +30,9 @@ Rules, by the fence's language tag:
     ``.py`` or the word after ``-m``; words between are launcher flags and their values.
     All ``--help`` texts are collected in one process (each script run by ``runpy`` with
     ``sys.argv = [script, "--help"]``) to pay for the imports once.
-  - ``python -m benchmarks.NAME ARGS`` (also after a launcher): ``benchmarks/NAME.py``
-    exists and its ``--help`` (collected by ``runpy.run_module``) has every ``--flag``.
+  - ``python -m benchmarks.NAME ARGS`` (also after a launcher) and ``python -m
+    hf_shampoo.plot ARGS``: ``benchmarks/NAME.py`` (``hf_shampoo/plot.py``) exists and its
+    ``--help`` (collected by ``runpy.run_module``) has every ``--flag``.
   - Scripts that are not in this repository are allowed only by name, from
     ``EXTERNAL_SCRIPTS``: transformers' ``run_clm.py`` and ``-m my_package.train`` (flags
     checked against ``HfArgumentParser(TrainingArguments)``), and ``train.py`` (timm's
@@ -77,6 +78,8 @@ IGNORED_LANGS = {"text"}
 TORCHRUN_MARK = re.compile(r"^#.*\btorchrun --nproc_per_node (\d+)\b")
 PYTHON_WORD = re.compile(r"^(\S*/)?python(3(\.\d+)?)?$")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+# the package's own command-line modules besides hf_shampoo.run, checked like benchmarks
+PACKAGE_COMMANDS = ("hf_shampoo.plot",)
 COMMAND_WORDS = {"make", "pip", "torchrun", "accelerate", "bash", "export", "srun"}
 
 # Flags of timm's train.py that the docs use, taken from pytorch-image-models' train.py
@@ -217,7 +220,8 @@ def target_checks(target: str | None, is_module: bool, words: list[str]) -> list
                     if not (REPO / w.split("::")[0]).exists()]
         if target in EXTERNAL_SCRIPTS:
             return [Check("program", EXTERNAL_SCRIPTS[target], long_flags(words))]
-        if target.startswith("benchmarks."):  # python -m benchmarks.NAME: benchmarks/NAME.py
+        if target.startswith("benchmarks.") or target in PACKAGE_COMMANDS:
+            # python -m benchmarks.NAME: benchmarks/NAME.py (hf_shampoo.plot: its file)
             if not (REPO / (target.replace(".", "/") + ".py")).is_file():
                 return [Check("error", f"no such benchmark module: {target}")]
             return [Check("program", f"-m {target}", long_flags(words))]

@@ -7,7 +7,9 @@ Each case (tests/layout_cases.py, run by tests/generated_layout_worker.py) draws
 several mesh dims, uneven and empty shards), ``_StridedShard`` and ``Replicate()``, plain
 tensors beside them, or a small model placed by ``parallelize_module`` (colwise / rowwise
 Linear with and without bias, embeddings sharded either way, sequence-parallel norms,
-expert-parallel fused experts) and ``fully_shard`` / HSDP; a kind with random block size,
+expert-parallel fused experts) and ``fully_shard`` / HSDP, or (4 and 8 ranks) two pipeline
+stages on a ``("pp", ...)`` mesh, each with parameters of its own on drawn sub-meshes of
+its half and one optimizer (compared stage by stage); a kind with random block size,
 cadence, start step and decay; steps where some parameters get no gradient. Every case
 must end with every parameter ``torch.equal`` to one process on every rank, the ranks'
 state adding up to one process's, and, where the case saves through
@@ -155,8 +157,12 @@ def world_results(results, world):
     return results[world]
 
 
+def case_type(case: dict) -> str:
+    return "model" if "model" in case else "pipeline" if "pipeline" in case else "tensors"
+
+
 PARAMS = [pytest.param(world, index, id=f"world{world}-{case['kind']}-"
-                       f"{'model' if 'model' in case else 'tensors'}-seed{case['base_seed']}-"
+                       f"{case_type(case)}-seed{case['base_seed']}-"
                        f"{index}")
           for world, cases in CASES.items() for index, case in enumerate(cases)]
 
@@ -179,6 +185,9 @@ def test_drawn_layout_is_bit_identical_to_one_process(results, world, index):
         pytest.skip(f"{got[0].get('invalid')}")
     for rank, g in enumerate(got):
         assert not g["diffs"], f"{about}\nrank {rank}: not bit-identical: {g['diffs']}"
-    assert sum(g["state"] for g in got) == got[0]["reference_state"], (
-        f"{about}\nstate per rank {[g['state'] for g in got]} does not add up to one "
-        f"process's {got[0]['reference_state']}")
+    stages = sorted({g.get("stage", 0) for g in got})  # pipeline cases: per stage
+    for stage in stages:
+        mine = [g for g in got if g.get("stage", 0) == stage]
+        assert sum(g["state"] for g in mine) == mine[0]["reference_state"], (
+            f"{about}\nstate per rank {[g['state'] for g in mine]} of stage {stage} does not "
+            f"add up to one process's {mine[0]['reference_state']}")

@@ -206,7 +206,8 @@ def test_describe_table():
     assert wte["rank"] == "0" and wte["role"] == "embedding"
     ln = next(r for r in describe_rows(optimizer) if r["name"] == "transformer.ln_f.weight")
     assert ln["role"] == "norm"
-    assert text.splitlines()[-2].startswith(f"{len(list(model.parameters()))} parameters")
+    assert text.splitlines()[-3].startswith(f"{len(list(model.parameters()))} parameters")
+    assert text.splitlines()[-2] == "blocks spread over one process"
     assert text.splitlines()[-1].startswith("optimizer state per rank: rank 0: ")
     with pytest.raises(TypeError):
         describe(torch.optim.SGD(model.parameters(), lr=0.1))

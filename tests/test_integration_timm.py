@@ -402,6 +402,11 @@ def test_example_on_two_processes():
     blocks = re.search(r"blocks per rank.*: rank 0: (\d+) blocks.*rank 1: (\d+) blocks", log)
     assert blocks and int(blocks.group(1)) > 0 and int(blocks.group(2)) > 0
     assert "refresh steps" in log
+    # the health lines from optimizer.metrics(), reduced over both ranks
+    health = re.search(r"preconditioning (\d+)% of blocks after 6 steps; last refresh "
+                       r"(\d+) blocks in [\d.]+ s; 0 fallbacks", log)
+    assert health and int(health.group(2)) > 0, log[-2000:]
+    assert re.search(r"factor condition numbers: largest [\d.e+]+, median [\d.e+]+", log)
 
 
 @pytest.mark.slow

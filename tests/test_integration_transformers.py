@@ -530,15 +530,19 @@ def test_run_module_and_script_modes(tmp_path, monkeypatch, capsys):
         launcher.main([str(tmp_path / "missing.py")])
 
 
-def test_example_prints_decreasing_loss():
+def test_example_prints_decreasing_loss(tmp_path):
+    pytest.importorskip("matplotlib")
     out = run([sys.executable, "examples/finetune_transformers.py", "--steps", "16",
                "--log-every", "4", "--batch-size", "8", "--block-size", "32", "--describe",
-               "--optim-args", "precondition_frequency=4"])
+               "--optim-args", "precondition_frequency=4", "--plot", str(tmp_path / "h.png")])
     line = next(row for row in out.splitlines()
                 if row.startswith("distributed_shampoo: training loss"))
     first, last = (float(x) for x in line.split("training loss ")[1].split(";")[0].split(" -> "))
     assert last < first
     assert "shampoo (dim 0 off)" in out
+    # the health at the end (docs/metrics.md) and its picture
+    assert "optimizer health at step 16 (docs/metrics.md): steps 16, preconditioning 1" in out
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_save_on_each_node_consolidates_onto_each_nodes_first_rank(monkeypatch):
@@ -547,3 +551,25 @@ def test_save_on_each_node_consolidates_onto_each_nodes_first_rank(monkeypatch):
     assert hft.save_ranks(args) == [0, 2, 4]
     args.save_on_each_node = False
     assert hft.save_ranks(args) == [0]
+
+
+def test_create_optimizer_passes_a_process_group_through(tmp_path, monkeypatch):
+    """A pipeline stage's part through the Trainer's builder: ``process_group`` reaches
+    the optimizer's constructor unchanged (recorded here, in one process; a real group
+    needs a launched world: tests/test_pipeline_parallel.py, tests/test_rank_agreement.py)."""
+    from hf_shampoo.integrations.transformers import arguments
+
+    seen = {}
+
+    class Recorder(arguments.DistributedShampoo):
+        def __init__(self, params, **kwargs):
+            seen["process_group"] = kwargs.pop("process_group", "absent")
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(arguments, "DistributedShampoo", Recorder)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                       n_positions=8, bos_token_id=0, eos_token_id=0))
+    group = object()
+    optimizer = hft.create_optimizer(model, training_args(tmp_path, optim="distributed_shampoo"),
+                                     process_group=group)
+    assert seen["process_group"] is group and isinstance(optimizer, Recorder)

@@ -30,9 +30,14 @@ def test_docs_keywords_md_is_the_table():
 
 
 def test_signature_is_the_table():
+    """The table's keywords, then ``process_group`` (keyword only, not a hyperparameter:
+    it is not saved with the groups)."""
     parameters = list(inspect.signature(DistributedShampoo).parameters.values())
     assert parameters[0].name == "params"
-    assert [p.name for p in parameters[1:]] == list(config.TABLE)
+    assert [p.name for p in parameters[1:]] == [*config.TABLE, "process_group"]
+    assert parameters[-1].kind is inspect.Parameter.KEYWORD_ONLY
+    assert parameters[-1].default is None and "process_group" not in config.DEFAULTS
+    parameters = parameters[:-1]
     for p in parameters[1:]:
         assert p.default == config.DEFAULTS[p.name]
         positional = p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD

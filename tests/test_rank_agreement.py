@@ -25,7 +25,7 @@ pytestmark = pytest.mark.distributed
 
 DEADLINE = 120  # seconds for one world's spawn: many times what it takes (15 s), and a
 # hang never ends
-WAY_OUT = ("distributed='none'", "fsdp_mode='local'", "docs/parallelism.md#limits")
+WAY_OUT = ("process_group=", "docs/parallelism.md#pipeline-parallel")
 
 
 def spawn_within(world: int, root: str) -> list[dict]:
@@ -85,23 +85,25 @@ def test_a_layout_built_on_one_rank_first_is_still_checked_at_the_step(runs):
     assert all("rank 1 holds different parameters from rank 0" in m for m in messages)
 
 
-def test_sharded_stages_on_sub_meshes_of_their_own_are_refused(runs):
-    messages = refused(runs[2], "pipeline_sharded")
-    for message in messages:
-        assert "rank 1 holds different parameters from rank 0" in message
-        assert "of shape (4, 8) float32 there, parameter 0 of shape (8, 6)" in message
-        assert all(way in message for way in WAY_OUT), message
-    assert all(r["pipeline_sharded_local"]["outcome"] == "stepped" for r in runs[2])
+def test_sharded_stages_on_sub_meshes_of_their_own_step_over_their_meshes(runs):
+    """A stage fully_shard'ed on the ``dp`` sub-mesh of a ``(pp, dp)`` mesh is spread over
+    its stage's ranks (here one each): nothing is exchanged with the other stage, and it
+    steps."""
+    for world in (2, 3):
+        for scenario in ("pipeline_sharded", "pipeline_sharded_local"):
+            if scenario not in runs[world][0]:
+                continue
+            assert all(r[scenario]["outcome"] == "stepped" for r in runs[world]), scenario
+    assert all(r["pipeline_sharded"]["kind"] == "ShardedDistributor" for r in runs[2])
     assert all(r["pipeline_sharded_local"]["kind"] == "LocalShardDistributor" for r in runs[2])
 
 
 def test_three_ranks_name_the_one_that_differs(runs):
-    for scenario in ("pipeline_plain", "pipeline_sharded"):
-        for rank, message in enumerate(refused(runs[3], scenario)):
-            assert "rank 2 holds different parameters from ranks 0, 1" in message
-            assert "ranks 0, 1 hold 4 parameters to optimize" in message
-            assert "Rank 2 differs from rank 0 first at its parameter 0" in message
-            assert f"This is rank {rank};" in message
+    for rank, message in enumerate(refused(runs[3], "pipeline_plain")):
+        assert "rank 2 holds different parameters from ranks 0, 1" in message
+        assert "ranks 0, 1 hold 4 parameters to optimize" in message
+        assert "Rank 2 differs from rank 0 first at its parameter 0" in message
+        assert f"This is rank {rank};" in message
 
 
 def test_ranks_holding_the_same_parameters_step(runs):
@@ -123,10 +125,64 @@ def test_groups_added_with_different_shapes_are_refused_at_the_next_step(runs):
         assert "parameter 4 of shape (3, 3) float32 there" in message
 
 
-def test_a_parameter_held_by_no_mesh_on_some_rank_is_refused_everywhere(runs):
-    for message in refused(runs[3], "no_mesh"):
+@pytest.mark.parametrize("scenario", ["no_mesh", "no_mesh_world_group"])
+def test_a_parameter_held_by_no_mesh_on_some_rank_of_the_group_is_refused_everywhere(
+        runs, scenario):
+    """A parameter on ranks [0, 1], and rank 2 in the group (the world, by default or
+    named) holding none of it: on every rank the same error."""
+    for message in refused(runs[3], scenario):
         assert "held by no mesh on ranks [2] (its mesh has ranks [0, 1])" in message
+        assert "the group its blocks are spread over (the world)" in message
         assert all(way in message for way in WAY_OUT), message
+
+
+def test_stages_over_groups_of_their_own_step(runs):
+    """``process_group=`` the stage's group (ranks [0, 1] and [2]): the stages hold
+    different parameters and step, each over its own group."""
+    got = [r["stage_groups"] for r in runs[3]]
+    assert [g["outcome"] for g in got] == ["stepped"] * 3, got
+    assert [g["kind"] for g in got] == ["DataParallelDistributor"] * 2 + [
+        "SingleProcessDistributor"]
+
+
+def test_refusals_name_the_group_and_the_rank(runs):
+    results = runs[3]
+    # trainer groups inside a stage's group would need groups of some ranks only
+    got = [r["stage_groups_trainers"]["outcome"] for r in results]
+    for outcome in got[:2]:
+        assert outcome.startswith(
+            "ValueError: DistributedShampoo: num_trainers_per_group=1 with a process_group of "
+            "ranks [0, 1] is not supported: pass the trainer group itself as process_group"), \
+            outcome
+    assert got[2] == "stepped"
+    # trainer groups of 2 do not divide the last stage's group of 1 rank
+    got = [r["stage_groups_trainers_2"]["outcome"] for r in results]
+    assert got[:2] == ["stepped", "stepped"], got
+    assert got[2].startswith("ValueError: DistributedShampoo: num_trainers_per_group=2 must "
+                             "divide the process_group's size (ranks [2]) 1"), got[2]
+    # distributed="none" and a group say two different things
+    for r in results:
+        assert "process_group is given with distributed='none'" in \
+            r["stage_groups_none"]["outcome"]
+    # a group without this rank: refused there, at construction; the group's ranks step
+    got = [r["group_without_rank"]["outcome"] for r in results]
+    assert got[:2] == ["stepped", "stepped"], got
+    assert got[2] == ("ValueError: DistributedShampoo: process_group does not contain this "
+                      "rank (2) (torch.distributed.new_group returned "
+                      "GroupMember.NON_GROUP_MEMBER here); give each rank the group it "
+                      "trains in"), got[2]
+    # a parameter whose mesh reaches outside the group: every rank refuses, at construction
+    for rank, r in enumerate(results):
+        outcome = r["mesh_outside_group"]["outcome"]
+        outside = "[2]" if rank < 2 else "[0, 1]"
+        assert outcome.startswith("ValueError: DistributedShampoo: parameter 'group 0 param 0 "
+                                  "(shape (6, 3))' (shape (6, 3)) lives on a mesh of ranks "
+                                  f"[0, 1, 2], which reaches ranks {outside} outside "
+                                  "process_group"), outcome
+    for r in results:
+        assert r["two_dim_mesh"]["outcome"].startswith(
+            "ValueError: DistributedShampoo: process_group is a 2-D DeviceMesh (dims "
+            "('pp', 'dp')); it takes a ProcessGroup or a 1-D DeviceMesh")
 
 
 def test_the_message_of_differing_plans():

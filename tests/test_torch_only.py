@@ -151,6 +151,9 @@ from hf_shampoo.integrations import timm as hf_timm
 from hf_shampoo.integrations import transformers as hf_transformers
 
 sys.path.insert(0, sys.argv[2])  # the repository root: benchmarks/
+state_file = tempfile.mkdtemp() + "/trainer_state.json"  # a Trainer run's log, to plot
+with open(state_file, "w") as f:
+    json.dump({"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]}, f)
 calls = {
     "Trainer hook (ShampooTrainer)": lambda: hf_transformers.ShampooTrainer,
     "Trainer hook (ShampooCheckpointCallback)":
@@ -162,6 +165,8 @@ calls = {
     "accelerate register_checkpoint_hook":
         lambda: hf_accelerate.register_checkpoint_hook(object(), optimizer),
     "timm registry (register)": hf_timm.register,
+    "plots (python -m hf_shampoo.plot)": lambda: importlib.import_module("hf_shampoo.plot")
+        .plot(state_file),
     "plots (benchmarks.memory)":
         lambda: importlib.import_module("benchmarks.memory").plot({}, "plot.png"),
     "plots (benchmarks.ablation)":
@@ -187,6 +192,7 @@ EXTRA_OF = {
     "accelerate load_state": "accelerate",
     "accelerate register_checkpoint_hook": "accelerate",
     "timm registry (register)": "timm",
+    "plots (python -m hf_shampoo.plot)": "examples",
     "plots (benchmarks.memory)": "examples",
     "plots (benchmarks.ablation)": "examples",
     "peft (benchmarks.lora_pairs)": "peft",

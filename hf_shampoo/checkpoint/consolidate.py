@@ -21,17 +21,32 @@ import torch.distributed as dist
 from .layout import merge_shards, to_cpu
 
 
-def gather_state(local: dict[str, Any], to: int | Iterable[int] | None = 0) -> dict | None:
-    """Gather every rank's ``local`` state dict onto global rank(s) ``to`` (a collective:
-    every rank calls it; ``None``: every rank). Returns the complete state dict on a
-    destination rank, None elsewhere."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    destinations = range(world) if to is None else [to] if isinstance(to, int) else list(to)
+def gather_state(local: dict[str, Any], to: int | Iterable[int] | None = 0,
+                 group=None) -> dict | None:
+    """Gather every rank's ``local`` state dict onto rank(s) ``to`` of ``group`` (a
+    ``distributors.groups.RankGroup``, None: the world; ranks by their position in it, as
+    torch's ``ZeroRedundancyOptimizer.consolidate_state_dict`` counts them), a collective
+    that every rank of the group calls; ``None``: every rank. Returns the complete state
+    dict on a destination rank, None elsewhere."""
+    if group is None:
+        ranks, process_group = list(range(dist.get_world_size())), None
+    else:
+        ranks, process_group = list(group.ranks), group.process_group
+    size, me = len(ranks), dist.get_rank()
+    destinations = range(size) if to is None else [to] if isinstance(to, int) else list(to)
+    for destination in destinations:
+        if not 0 <= destination < size:
+            where = "the world" if group is None or group.is_world else \
+                f"this optimizer's group (ranks {ranks})"
+            raise ValueError(
+                f"DistributedShampoo.consolidate_state_dict: to={destination} is not a rank "
+                f"of {where}: expected 0 to {size - 1} (a position in the group)")
     shard = to_cpu(local["state"])
     complete = None
     for destination in destinations:  # one gather per destination, same order everywhere
-        gathered: list | None = [None] * world if rank == destination else None
-        dist.gather_object(shard, gathered, dst=destination)
+        target = ranks[destination]
+        gathered: list | None = [None] * size if me == target else None
+        dist.gather_object(shard, gathered, dst=target, group=process_group)
         if gathered is not None:
             complete = {
                 "state": merge_shards(gathered),

@@ -63,15 +63,24 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def _group_of(optimizer):
+    """The process group of the ranks the optimizer spreads its blocks over (None: the
+    world): a pipeline stage writes and reads its own checkpoint."""
+    group = getattr(optimizer.distributor, "group", None)
+    return None if group is None else group.process_group
+
+
 def save_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
-    """Every rank writes its own blocks into ``checkpoint_dir`` (a collective)."""
-    dcp.save(flatten(optimizer.local_state_dict()), checkpoint_id=os.fspath(checkpoint_dir))
+    """Every rank of the optimizer's group writes its own blocks into ``checkpoint_dir``
+    (a collective over that group: each pipeline stage into a directory of its own)."""
+    dcp.save(flatten(optimizer.local_state_dict()), checkpoint_id=os.fspath(checkpoint_dir),
+             process_group=_group_of(optimizer))
 
 
-def _read(checkpoint_dir: str | os.PathLike, template: dict[str, Any]) -> None:
+def _read(checkpoint_dir: str | os.PathLike, template: dict[str, Any], group=None) -> None:
     """``dcp.load`` with its ``CheckpointException`` (a ``BaseException``) as ours."""
     try:
-        dcp.load(template, checkpoint_id=os.fspath(checkpoint_dir))
+        dcp.load(template, checkpoint_id=os.fspath(checkpoint_dir), process_group=group)
     except CheckpointException as error:
         reasons = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
                             for rank, (exc, _) in sorted(error.failures.items()))
@@ -79,9 +88,9 @@ def _read(checkpoint_dir: str | os.PathLike, template: dict[str, Any]) -> None:
 
 
 def load_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
-    """Every rank reads the blocks it owns now (a collective), at any world size. A missing,
-    cut-short or damaged checkpoint raises ``CheckpointError`` on every rank before anything
-    is loaded."""
+    """Every rank reads the blocks it owns now (a collective over the optimizer's group), at
+    any world size. A missing, cut-short or damaged checkpoint raises ``CheckpointError`` on
+    every rank before anything is loaded."""
     saved = read_checked_metadata(checkpoint_dir).state_dict_metadata
     template: dict[str, Any] = {GROUPS_KEY: b""}
     for key in optimizer.owned_state_keys():
@@ -89,7 +98,7 @@ def load_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
         meta = saved.get(flat_key)
         if meta is not None:
             template[flat_key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    _read(checkpoint_dir, template)
+    _read(checkpoint_dir, template, _group_of(optimizer))
     optimizer.load_state_dict(unflatten(template))
 
 
@@ -97,8 +106,15 @@ def consolidate_checkpoint(
     checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike
 ) -> None:
     """Write every rank's blocks of a sharded checkpoint into one ``torch.save`` file
-    (no process group needed); ``optimizer.load_state_dict(torch.load(output_file))``
-    then works in one process or on every rank of any world size."""
+    (no process group needed).
+
+    A checkpoint of ``save_sharded``: ``optimizer.load_state_dict(torch.load(output_file))``
+    then works in one process or on every rank of any world size. A checkpoint written with
+    torch's state-dict helpers (``dcp.save({"optim": get_optimizer_state_dict(part, opt),
+    ...})``, as torchtitan saves one optimizer per pipeline stage): the file holds that
+    dictionary with every rank's entries merged (every stage's parameters, by name), which
+    ``set_optimizer_state_dict(whole_model, optimizer, state["optim"], ...)`` loads into one
+    optimizer over the whole model (docs/parallelism.md#pipeline-parallel)."""
     read_checked_metadata(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:
         flat_file = os.path.join(tmp, "flat.pt")
@@ -107,4 +123,5 @@ def consolidate_checkpoint(
         except CheckpointException as error:
             raise CheckpointError(checkpoint_dir, f"reading it failed ({error})") from None
         flat = torch.load(flat_file, weights_only=True)
-    torch.save(unflatten(flat), os.fspath(output_file))
+    torch.save(unflatten(flat) if GROUPS_KEY in flat and isinstance(flat[GROUPS_KEY], bytes)
+               else flat, os.fspath(output_file))

@@ -10,6 +10,7 @@ with ``torch.load(weights_only=True)``; nothing here communicates.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -67,8 +68,15 @@ def is_state_key(key: Any) -> bool:
 
 def _encode(value: Any) -> Any:
     """Group values as plain Python: dtypes become their names ("torch.float32"), which
-    torch.distributed.checkpoint's state-dict helpers can gather and broadcast."""
-    return str(value) if isinstance(value, torch.dtype) else value
+    torch.distributed.checkpoint's state-dict helpers can gather and broadcast; dicts and
+    lists are copies (``dcp.load`` fills a state dict's nested values in place, which must
+    not change the optimizer's own groups: it wrote ``"2"`` beside ``2`` into
+    ``inverse_exponent_override``)."""
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (dict, list)):
+        return copy.deepcopy(value)
+    return value
 
 
 def _decode(key: str, value: Any) -> Any:
@@ -232,6 +240,13 @@ def unpack(
     for group, merged in zip(param_groups, merged_groups):
         # as torch: the saved hyperparameters and parameter names, or the group's own
         # names where the saved group has none
+        # (saved names for another list of parameters, as torch's flattened state-dict
+        # helpers give a whole model's group one stage's names, are not taken)
+        names = merged.get("param_names")
+        if names is not None and len(names) != len(group["params"]):
+            merged = {**merged, "param_names": group.get("param_names")}
+            if merged["param_names"] is None:
+                del merged["param_names"]
         group.update({k: v for k, v in merged.items() if k != "params"})
     for stack in owned_stacks:
         stack.state.clear()

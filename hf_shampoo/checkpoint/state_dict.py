@@ -51,9 +51,11 @@ class Consolidation:
         holds."""
         self.full, self.gathered = None, False
 
-    def gather(self, local: dict[str, Any], to: int | Iterable[int] | None) -> None:
-        """Gather every rank's ``local`` state onto ``to`` (a collective)."""
-        self.full = gather_state(local, to)
+    def gather(self, local: dict[str, Any], to: int | Iterable[int] | None,
+               group=None) -> None:
+        """Gather every rank's ``local`` state onto ``to`` (a collective over ``group``,
+        a ``RankGroup``; None: the world)."""
+        self.full = gather_state(local, to, group)
         self.gathered = True
 
     def copy(self) -> dict[str, Any] | None:

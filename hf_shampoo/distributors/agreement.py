@@ -46,16 +46,18 @@ PAYLOAD_LIMIT = 1 << 18
 SHAPES_SHOWN = 6
 
 
-def param_key(param: Tensor, world: int) -> list:
+def param_key(param: Tensor, world: int | Sequence[int]) -> list:
     """What of a parameter the exchange depends on: shape, dtype, and a DTensor's
-    placements and mesh: its global ranks where it spans the ``world``, else only its
-    shape (a sub-mesh is each rank's own: tensor parallel inside data parallel puts rank
-    0's on ranks [0, 1] and rank 2's on [2, 3]; ``placements.holdings`` gathers them)."""
+    placements and mesh: its global ranks where it spans the group (``world``: the world's
+    size, or the group's global ranks), else only its shape (a sub-mesh is each rank's own:
+    tensor parallel inside data parallel puts rank 0's on ranks [0, 1] and rank 2's on
+    [2, 3]; ``placements.holdings`` gathers them)."""
     key: list = [list(param.shape), str(param.dtype).removeprefix("torch.")]
     if is_dtensor(param):
         ranks = param.device_mesh.mesh
-        mesh = ranks.flatten().tolist() if ranks.numel() == world else \
-            {"sub-mesh": list(ranks.shape)}
+        spans = ranks.numel() == world if isinstance(world, int) else \
+            set(ranks.flatten().tolist()) == set(world)
+        mesh = ranks.flatten().tolist() if spans else {"sub-mesh": list(ranks.shape)}
         key += [mesh, [repr(p) for p in param.placements]]
     return key
 

@@ -5,8 +5,8 @@ A distributor knows ranks, block assignment and buffers, and nothing of the algo
 ``greedy_assignment`` choose owners (longest processing time first, deterministic on every
 rank); the helpers below stack a stack's gradients or parameters into one tensor, keep its
 persistent buffers, and add every block's direction to its parameter. The distributors
-themselves are siblings that import only this module (and ``placements``): ``single`` (one
-process), ``ddp`` (blocks spread over data-parallel ranks, one all-gather), ``fsdp``
+themselves are siblings that import only this module (and ``placements``, ``groups``):
+``single`` (one process), ``ddp`` (blocks spread over data-parallel ranks, one all-gather), ``fsdp``
 (FSDP2 / HSDP / tensor parallel, lossless); ``local`` (``fsdp_mode="local"``) is one
 process per shard and builds on ``single``, ``zero`` on ``fsdp``.
 """
@@ -79,6 +79,10 @@ class Distributor:
     is_sharded_state: bool = False
     #: prefix of this rank's state keys (``fsdp_mode="local"``: which shard its blocks cut)
     state_key_prefix: str = ""
+    #: the ranks blocks are spread over, with their process group (``groups.RankGroup``:
+    #: the world, or ``process_group=``'s / the parameters' meshes' ranks); None in one
+    #: process. The agreement check and ``any_rank`` run over it
+    group = None
     def needs_agreement(self) -> bool:
         """Whether the ranks run collectives whose sizes, or whose being called at all,
         their layouts decide, so that every rank of the world must hold the same
@@ -174,10 +178,12 @@ class Distributor:
         return flag
 
 
-def world_any(flag: bool, device: torch.device) -> bool:
-    """``flag`` OR-ed over every rank of the default group (one tiny ``all_reduce``)."""
+def world_any(flag: bool, device: torch.device, group=None) -> bool:
+    """``flag`` OR-ed over every rank of ``group`` (a ``groups.RankGroup``; None: the default
+    group), one tiny ``all_reduce``."""
     value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX,
+                    group=None if group is None else group.process_group)
     return bool(value.item())
 
 

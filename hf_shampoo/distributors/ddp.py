@@ -1,6 +1,10 @@
 """Data-parallel training (DDP, Accelerate, the Trainer): blocks spread over the ranks
 of each trainer group, one all-gather of the directions per step (docs/design.md §4).
 
+The ranks are the world's, or those of ``process_group=`` (a pipeline stage's data-parallel
+group: ``groups.RankGroup``); trainer groups (``num_trainers_per_group``) cut them into
+consecutive runs.
+
 Every block is assigned to one rank of its trainer group by greedy longest-processing-time
 first; the owner computes the block's ``-lr * P`` into its slice of one flat buffer, and one
 all-gather fills the buffer on every rank of the group.
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import Distributor, apply_directions, block_cost, greedy_assignment, world_any
+from .groups import RankGroup
 
 
 class DataParallelDistributor(Distributor):
@@ -26,24 +31,38 @@ class DataParallelDistributor(Distributor):
         communication_dtype: torch.dtype,
         num_trainers_per_group: int,
         assignment_cost: str = "memory",
+        group: RankGroup | None = None,
     ) -> None:
         self.communication_dtype = communication_dtype
-        world, global_rank = dist.get_world_size(), dist.get_rank()
+        self.group = group = group or RankGroup.world()
+        world, position = group.size, group.rank
         size = world if num_trainers_per_group == -1 else num_trainers_per_group
         if world % size != 0:
+            where = ("world size" if group.is_world
+                     else f"process_group's size ({group.describe()})")
             raise ValueError(
                 f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} must "
-                f"divide the world size {world} (or be -1 for the whole world)"
+                f"divide the {where} {world} (or be -1 for the whole group)"
             )
-        self.process_group = None
+        self.process_group = None  # the trainer group's process group (None: the world's)
         if size != world:
-            # every rank must create every subgroup, in the same order
-            for start in range(0, world, size):
-                group = dist.new_group(list(range(start, start + size)))
-                if start <= global_rank < start + size:
-                    self.process_group = group
+            if group.is_world:
+                # every rank must create every subgroup, in the same order
+                for start in range(0, world, size):
+                    subgroup = dist.new_group(list(range(start, start + size)))
+                    if start <= position < start + size:
+                        self.process_group = subgroup
+            else:
+                raise ValueError(
+                    f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} with "
+                    f"a process_group of {group.describe()} is not supported: pass the trainer "
+                    "group itself as process_group (the same numbers: blocks are spread over "
+                    "its ranks). Creating groups of some ranks only would shift torch's "
+                    "numbering of the groups created later by every rank (a hang)")
+        elif not group.is_world:
+            self.process_group = group.process_group
+        self.rank = position % size
         self.world_size = size
-        self.rank = global_rank % size
         self.is_sharded_state = size > 1
         self.assignment_cost = assignment_cost
         self.buffer: Tensor | None = None
@@ -54,8 +73,8 @@ class DataParallelDistributor(Distributor):
 
     def needs_agreement(self) -> bool:
         """The all-gather's size comes from the layout, and whether a step asks
-        ``any_rank`` (of the world) from its refreshes: every rank must hold the same
-        parameters. Trainer groups of one rank exchange nothing."""
+        ``any_rank`` (of the group) from its refreshes: every rank of the group must hold
+        the same parameters. Trainer groups of one rank exchange nothing."""
         return self.world_size > 1
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
@@ -90,7 +109,7 @@ class DataParallelDistributor(Distributor):
 
     def any_rank(self, flag: bool) -> bool:
         device = self.buffer.device if self.buffer is not None else torch.device("cpu")
-        return world_any(flag, device)
+        return world_any(flag, device, self.group)
 
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
         """One all-gather of the flat direction buffer (every owner's slice to every rank

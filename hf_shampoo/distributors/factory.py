@@ -12,6 +12,7 @@ from torch import Tensor
 from .base import Distributor
 from .ddp import DataParallelDistributor
 from .fsdp import ShardedDistributor, is_dtensor, layout_signature, refuse_unsupported
+from .groups import resolve
 from .local import LocalShardDistributor, local_mode_grid
 from .single import SingleProcessDistributor
 
@@ -37,6 +38,8 @@ def make_distributor(
     fsdp_mode: str = "lossless",
     current: Distributor | None = None,
     final: bool = True,
+    process_group=None,
+    names: Sequence[str] | None = None,
 ) -> Distributor:
     """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" | "fsdp".
 
@@ -45,6 +48,9 @@ def make_distributor(
     Accelerate's world when its process state has set up distributed training, else
     torch.distributed's default group when initialised with more than one rank, else one
     process. "ddp" and "fsdp" insist on their kind; "none" is always one process.
+    ``process_group`` (a ``ProcessGroup`` or a 1-D ``DeviceMesh``: a pipeline stage's
+    data-parallel group) narrows the ranks blocks are spread over to its own; DTensor
+    parameters are spread over their meshes' ranks without it (``groups.resolve``).
     ``current`` is kept when it is already the right one. ``final=False`` (at
     construction, before Accelerate may swap in sharded parameters) defers the check that
     "fsdp" has DTensors to the first step.
@@ -55,9 +61,15 @@ def make_distributor(
     else:
         refuse_unsupported(params, sharded_ok=True)
     if mode == "none":
+        if process_group is not None:
+            raise ValueError(
+                "DistributedShampoo: process_group is given with distributed='none' (one "
+                "process, nothing exchanged); leave one of them out")
         return current if type(current) is SingleProcessDistributor else \
             SingleProcessDistributor()
     initialised = dist.is_available() and dist.is_initialized()
+    group = resolve(process_group, params, names) if (
+        process_group is not None or sharded) else None
     if mode == "fsdp" or sharded:
         if not sharded:
             if final:
@@ -72,22 +84,30 @@ def make_distributor(
             raise ValueError(
                 f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} applies "
                 "to data-parallel training; with DTensor parameters blocks are spread over "
-                "the whole world (use -1)"
+                "the ranks of their meshes (use -1)"
             )
         if fsdp_mode == "lossless":
             signature = layout_signature(params)
-            if type(current) is ShardedDistributor and current.signature == signature:
+            if (type(current) is ShardedDistributor and current.signature == signature
+                    and current.group == group):
                 return current
             return ShardedDistributor(communication_dtype, assignment_cost,
-                                      signature=signature)
+                                      signature=signature, group=group)
         grid = local_mode_grid(params)
         if type(current) is LocalShardDistributor and current.grid == grid:
             return current
-        return LocalShardDistributor(grid)
+        return LocalShardDistributor(grid, group)
     if isinstance(current, DataParallelDistributor) or (
         type(current) is SingleProcessDistributor and mode == "auto"
     ):
         return current
+    if group is not None:  # process_group: its ranks, whatever the world
+        if group.size == 1 and mode == "auto" and num_trainers_per_group in (-1, 1):
+            single = SingleProcessDistributor()
+            single.group = group  # checkpoints of a one-rank stage stay within it
+            return single
+        return DataParallelDistributor(
+            communication_dtype, num_trainers_per_group, assignment_cost, group)
     if mode == "ddp":
         if not initialised:
             raise ValueError(

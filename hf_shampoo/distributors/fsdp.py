@@ -5,8 +5,11 @@ box of each parameter: FSDP2's rows (``Shard(0)``), tensor parallel's columns
 (``Shard(1)``), both at once on a ``(dp_shard, tp)`` mesh, replicas on ``dp_replicate``.
 
 ``ShardedDistributor`` (the default, lossless) blocks every parameter as the full tensor,
-exactly as one process does (docs/design.md §1), and gives each block one owner among all
-ranks of the world. A step is three collectives, whatever the number of parameters:
+exactly as one process does (docs/design.md §1), and gives each block one owner among the
+ranks of its group: the world, or the union of the parameters' meshes where that leaves
+ranks out (a pipeline stage's ``(dp_shard, tp)`` sub-mesh), or ``process_group=``
+(``groups.py``). Ranks are numbered by their position in the group; nothing is exchanged
+with a rank outside it. A step is three collectives, whatever the number of parameters:
 
 1. an ``all_reduce`` of one flag per parameter (which parameters have a gradient);
 2. an ``all_to_all`` that sends each owner the parts of its blocks' gradients (and, with
@@ -42,6 +45,7 @@ from .base import (
     stack_buffer,
     world_any,
 )
+from .groups import RankGroup
 from .placements import (
     Box,
     HeldBy,
@@ -144,16 +148,20 @@ class ShardedDistributor(Distributor):
         assignment_cost: str = "memory", balance_slack: float = 0.1, *,
         rank: int | None = None, world_size: int | None = None,
         boxes_of: Callable[[dict[int, Tensor], dict[int, str]], dict[int, list]] | None = None,
-        signature: tuple = (),
+        signature: tuple = (), group: RankGroup | None = None,
     ) -> None:
         self.communication_dtype = communication_dtype
         # a planner (rank and world given) has no process group and exchanges nothing
         self.grouped = rank is None and world_size is None
-        self.world_size = dist.get_world_size() if world_size is None else world_size
-        self.rank = dist.get_rank() if rank is None else rank
+        if self.grouped:
+            self.group = group or RankGroup.world()
+            self.world_size, self.rank = self.group.size, self.group.rank
+        else:
+            self.world_size = dist.get_world_size() if world_size is None else world_size
+            self.rank = dist.get_rank() if rank is None else rank
         self.own_boxes = boxes_of is None  # placements.holdings: sub-meshes gather
-        self.boxes_of = boxes_of or (lambda params, names: holdings(params, self.world_size,
-                                                                      names))
+        self.boxes_of = boxes_of or (lambda params, names: holdings(
+            params, self.group.ranks, names, self.group.process_group))
         self.signature = signature
         self.assignment_cost = assignment_cost
         self.balance_slack = balance_slack
@@ -172,17 +180,19 @@ class ShardedDistributor(Distributor):
         self._device = torch.device("cpu")
 
     def global_rank_and_world(self) -> tuple[int, int]:
+        if self.grouped and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
         return self.rank, self.world_size
 
     def needs_agreement(self) -> bool:
         """Every collective of a step is sized by the layout (flags per parameter, parts
-        per block): the world's ranks must hold the same parameters on the same meshes."""
+        per block): the group's ranks must hold the same parameters on the same meshes."""
         return self.grouped and self.world_size > 1
 
     def collective_layout(self, params: Sequence[Tensor]) -> bool:
         """``holdings`` gathers every rank's view of parameters on a sub-mesh."""
         return self.needs_agreement() and self.own_boxes and any(
-            on_sub_mesh(p, self.world_size) for p in params)
+            on_sub_mesh(p, self.group.ranks) for p in params)
 
     def values_of(self, param: Tensor) -> Tensor:
         """The local buffer holding this rank's values of ``param`` (its DTensor shard)."""
@@ -361,7 +371,7 @@ class ShardedDistributor(Distributor):
             if placed is not None:
                 self.placed_grads[id(param)] = placed
         has_grad, bad = _flags_on_every_rank(params, check_finite, self.has_grad,
-                                             self.grad_elements)
+                                             self.grad_elements, self._process_group())
         return ({id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
                  for stack in stacks}, bad)
 
@@ -423,7 +433,11 @@ class ShardedDistributor(Distributor):
         self.placed_grads = {}  # read into the owners' buffers: not kept past the step
 
     def any_rank(self, flag: bool) -> bool:
-        return world_any(flag, self._device)
+        return world_any(flag, self._device, self.group)
+
+    def _process_group(self):
+        """The process group of this distributor's collectives (None: the world's)."""
+        return self.group.process_group if self.group is not None else None
 
     def stacked_grads(self, stack, active: list[int]) -> Tensor:
         buffer = stack.gathered_grad
@@ -485,7 +499,8 @@ class ShardedDistributor(Distributor):
         buffer = buffer.to(device)
         out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
         self.bytes_last_step += (buffer.numel() + out.numel()) * dtype.itemsize
-        dist.all_to_all_single(out, buffer, recv_sizes, send_sizes)
+        dist.all_to_all_single(out, buffer, recv_sizes, send_sizes,
+                               group=self._process_group())
         return list(out.split(recv_sizes))
 
 
@@ -503,8 +518,8 @@ def _placed_gradient(param: Tensor) -> Tensor | None:
 
 
 def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
-                         has: Callable[[Tensor], bool], elements: Callable[[Tensor], Tensor]
-                         ) -> tuple[set[int], list[int]]:
+                         has: Callable[[Tensor], bool], elements: Callable[[Tensor], Tensor],
+                         group=None) -> tuple[set[int], list[int]]:
     """Which parameters have a gradient on some rank, and (``check_finite``) which have a
     nan or an inf in some rank's gradient shard: one ``all_reduce`` of two flags per
     parameter, one host synchronisation (and a second exact look, only where a shard's
@@ -519,7 +534,7 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
     if shards:
         bad = maybe_nonfinite(shards)
         flags[1, torch.tensor(with_grad, device=device)] = bad.to(torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     has_grad, nonfinite = flags.tolist()
     if any(nonfinite):
         # rare (a nan, an inf, or a norm that overflowed): every rank got the same flags,
@@ -529,7 +544,7 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
         if with_grad:
             exact[torch.tensor(with_grad, device=device)] = torch.tensor(
                 confirmed_nonfinite(shards, suspects), dtype=torch.int32, device=device)
-        dist.all_reduce(exact, op=dist.ReduceOp.MAX)
+        dist.all_reduce(exact, op=dist.ReduceOp.MAX, group=group)
         nonfinite = exact.tolist()
     return ({i for i, f in zip(order, has_grad) if f},
             [i for i, f in zip(order, nonfinite) if f])

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import OTHER_RANK, world_any
+from .groups import RankGroup
 from .placements import is_dtensor, local_tensor
 from .single import SingleProcessDistributor
 
@@ -56,8 +57,9 @@ class LocalShardDistributor(SingleProcessDistributor):
 
     is_sharded_state = True
 
-    def __init__(self, grid: list[list[int]]) -> None:
+    def __init__(self, grid: list[list[int]], group: RankGroup | None = None) -> None:
         self.grid = grid
+        self.group = group or RankGroup.world()  # the meshes' ranks: the flag's all_reduce
         self.global_rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.shard_index = next(row.index(self.global_rank) for row in grid
@@ -78,6 +80,6 @@ class LocalShardDistributor(SingleProcessDistributor):
         shards, and their blocks differ, so the ranks without it report ``OTHER_RANK``."""
         active, bad = super().active_members(stacks, check_finite)
         device = stacks[0].device if stacks else torch.device("cpu")
-        if check_finite and world_any(bool(bad), device) and not bad:
+        if check_finite and world_any(bool(bad), device, self.group) and not bad:
             bad = [OTHER_RANK]
         return active, bad

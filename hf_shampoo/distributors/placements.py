@@ -40,12 +40,13 @@ SUPPORTED = (
 
 #: the way out for ranks that hold different parameters (pipeline stages), in errors
 STAGES = (
-    "DistributedShampoo shares blocks among ranks that hold the same parameters (data "
-    "parallel, FSDP2, tensor parallel). For pipeline stages, build one optimizer per stage "
-    "that exchanges nothing between ranks: distributed='none' for plain parameters, "
-    "fsdp_mode='local' for a stage sharded with fully_shard (each rank blocks its own "
-    "shard). Support for stages that share blocks within a process group of their own is "
-    "planned; pipeline stages: see docs/parallelism.md#limits."
+    "DistributedShampoo shares blocks among the ranks of one group that hold the same "
+    "parameters (data parallel, FSDP2, tensor parallel). For pipeline stages, build one "
+    "optimizer per stage (model part) over the stage's own data-parallel group: "
+    "process_group=<the stage's dp ProcessGroup or 1-D DeviceMesh> for plain or DDP "
+    "parameters; DTensor parameters (fully_shard / parallelize_module on the stage's "
+    "sub-mesh) need no argument, their meshes give the group. See "
+    "docs/parallelism.md#pipeline-parallel."
 )
 
 
@@ -208,20 +209,35 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
-def on_sub_mesh(param: Tensor, world: int) -> bool:
-    """Whether ``param`` is a DTensor on a mesh smaller than the world: ``holdings`` then
-    needs every rank's view of it (a collective)."""
-    return is_dtensor(param) and param.device_mesh.mesh.numel() != world
+def _ranks(world: int | Sequence[int]) -> tuple[int, ...]:
+    """A group's global ranks in its order (an ``int``: the world of that size)."""
+    return tuple(range(world)) if isinstance(world, int) else tuple(world)
 
 
-def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None = None
+def on_sub_mesh(param: Tensor, world: int | Sequence[int]) -> bool:
+    """Whether ``param`` is a DTensor on a mesh smaller than the group (``world``: its size,
+    the world's, or its global ranks): ``holdings`` then needs every rank's view of it (a
+    collective)."""
+    if not is_dtensor(param):
+        return False
+    if isinstance(world, int):
+        return param.device_mesh.mesh.numel() != world
+    return set(param.device_mesh.mesh.flatten().tolist()) != set(world)
+
+
+def holdings(params: dict[int, Tensor], world: int | Sequence[int],
+             names: dict[int, str] | None = None, group=None
              ) -> dict[int, list[Box | None]]:
-    """``param_index`` → every global rank's box (None: it holds nothing). A plain
-    parameter is held whole by every rank. Parameters on a mesh smaller than the world
-    (a sub-mesh, ``on_sub_mesh``) need every rank's view: one ``all_gather_object``, which
-    every rank reaches because layouts are built by every rank alike (the optimizer has
-    checked that the ranks hold the same parameters on the same meshes first:
-    ``agreement.py``), so that every rank raises alike."""
+    """``param_index`` → every rank's box, by position in the group (``world``: the world's
+    size, or the group's global ranks in its order; ``group``: its process group, None for
+    the world); None: it holds nothing. A plain parameter is held whole by every rank.
+    Parameters on a mesh smaller than the group (a sub-mesh, ``on_sub_mesh``) need every
+    rank's view: one ``all_gather_object`` over the group, which every rank reaches because
+    layouts are built by every rank alike (the optimizer has checked that the ranks hold
+    the same parameters on the same meshes first: ``agreement.py``), so that every rank
+    raises alike."""
+    ranks = _ranks(world)
+    size = len(ranks)
     out: dict[int, list[Box | None]] = {}
     partial: dict[int, dict[int, Box | None]] = {}
     problems: list[str] = []
@@ -232,33 +248,39 @@ def holdings(params: dict[int, Tensor], world: int, names: dict[int, str] | None
             problem = _local_problem(index, param, computed[index], names)
             if problem is not None:
                 problems.append(problem)
-    _agree_on_problems(problems, params, world)
+    _agree_on_problems(problems, params, size, group)
     for index, param in params.items():
         if not is_dtensor(param):
-            out[index] = [full_box(param.shape)] * world
+            out[index] = [full_box(param.shape)] * size
             continue
         boxes = computed[index]
-        if not on_sub_mesh(param, world):
-            out[index] = [boxes[r] for r in range(world)]
+        if not on_sub_mesh(param, ranks):
+            out[index] = [boxes[r] for r in ranks]
         else:
             partial[index] = boxes
     if partial:
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, partial)
+        everyone: list = [None] * size
+        dist.all_gather_object(everyone, partial, group=group)
         for index in partial:
             merged: dict[int, Box | None] = {}
             for seen in everyone:
                 merged.update(seen.get(index, {}))
-            missing = [r for r in range(world) if r not in merged]
+            missing = [r for r in ranks if r not in merged]
             if missing:
                 where = describe_param(index, params[index], names)
                 raise ValueError(
                     f"DistributedShampoo: parameter {where} is held by no mesh on ranks "
                     f"{missing} (its mesh has ranks "
-                    f"{params[index].device_mesh.mesh.flatten().tolist()}); every rank must "
-                    f"hold a part of every parameter. {STAGES}")
-            out[index] = [merged[r] for r in range(world)]
+                    f"{params[index].device_mesh.mesh.flatten().tolist()}); every rank of "
+                    f"the group its blocks are spread over ({_group_text(ranks)}) must hold a "
+                    f"part of every parameter. {STAGES}")
+            out[index] = [merged[r] for r in ranks]
     return out
+
+
+def _group_text(ranks: Sequence[int]) -> str:
+    world = dist.get_world_size() if dist.is_initialized() else len(ranks)
+    return "the world" if tuple(ranks) == tuple(range(world)) else f"ranks {list(ranks)}"
 
 
 def _local_problem(index: int, param: Tensor, boxes: dict[int, Box | None],
@@ -279,7 +301,8 @@ def _local_problem(index: int, param: Tensor, boxes: dict[int, Box | None],
     return None
 
 
-def _agree_on_problems(problems: list[str], params: dict[int, Tensor], world: int) -> None:
+def _agree_on_problems(problems: list[str], params: dict[int, Tensor], world: int,
+                       group=None) -> None:
     """Raise on every rank when any rank found its shard elsewhere than its placements
     say: one tiny ``all_reduce`` (every rank reaches it, at layout time), then the ranks'
     reasons, so that no rank goes on into a collective the others left."""
@@ -291,11 +314,11 @@ def _agree_on_problems(problems: list[str], params: dict[int, Tensor], world: in
     if device is None or device.type == "meta":
         device = torch.device("cpu")
     flag = torch.tensor([len(problems)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()) == 0:
         return
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, problems)
+    dist.all_gather_object(everyone, problems, group=group)
     found = [p for seen in everyone for p in (seen or [])]
     raise ValueError(f"DistributedShampoo: {found[0]}"
                      + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")

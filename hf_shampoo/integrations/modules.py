@@ -679,7 +679,9 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
 
 def describe(optimizer: Any) -> str:
     """A table of every parameter: name, shape, role, blocks, preconditioner, grafting,
-    weight decay and owning rank, then the number of blocks and their elements per rank."""
+    weight decay and owning rank, then the number of blocks and their elements per rank,
+    the ranks the blocks are spread over (the world, or a pipeline stage's group: its global
+    ranks; the ``rank`` column counts within it) and the state per rank."""
     rows = describe_rows(optimizer)
     header = ("name", "shape", "role", "blocks", "preconditioner", "grafting", "wd", "rank")
     table = [header] + [
@@ -715,6 +717,9 @@ def describe(optimizer: Any) -> str:
             f"rank {r}: {n} blocks / {e} elements" for r, (n, e, _) in sorted(per_rank.items())
         )
     )
+    group = getattr(find_shampoo(optimizer).distributor, "group", None)
+    lines.append("blocks spread over " + ("one process" if group is None else
+                                          group.describe()))
     lines.append(
         "optimizer state per rank: "
         + ", ".join(f"rank {r}: {_size(b)} ({b / max(e, 1):.1f} bytes per parameter element)"

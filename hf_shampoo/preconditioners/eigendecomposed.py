@@ -55,13 +55,20 @@ class EigendecomposedShampoo(Shampoo):
             eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
             ridge = matrix + group["epsilon"] * eye
             kept = picked.take(state[f"eigenvectors_{j}"])
+            members = [job.members[r] for r in picked.list]
             if group["eigendecomposition"] == "qr":
+                stale: list = []
                 basis, values = eigenbasis.qr_algorithm_direct(
                     ridge, kept, group["qr_max_iterations"], group["eigenbasis_tolerance"],
-                    group["orthogonalization"])
+                    group["orthogonalization"], first_stale=stale)
                 ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()
+                stale = stale[0] if stale else None
             else:
-                basis, values, ok, _ = self._eigh_or_kept(ridge, kept, group)
+                basis, values, ok, held = self._eigh_or_kept(ridge, kept, group)
+                stale = ~held
+            if stale is not None and group["eigenbasis_tolerance"] > 0:
+                stack.health.record_recomputed(f"factor_matrix_{j}", len(stack.members),
+                                               members, stale)
             done = ok.nonzero().flatten().to(matrix.device)
             if len(done) < len(ok):
                 basis, values = basis[done], values[done]
@@ -73,8 +80,8 @@ class EigendecomposedShampoo(Shampoo):
                 root = state[f"inverse_root_{j}"]
                 picked.put(root, done, linalg.inverse_root_from_eigen(
                     lam, basis.contiguous(), exponent, cutoff=cutoff).to(root.dtype))
-            stack.count_failures(f"factor_matrix_{j}", ok, [job.members[r] for r in picked.list],
-                                 job.step)
+            stack.count_failures(f"factor_matrix_{j}", ok, members, job.step,
+                                 eigenvalues=values, group=group)
 
     @staticmethod
     def _eigh_or_kept(ridge: Tensor, kept: Tensor, group: dict

@@ -85,6 +85,7 @@ class EigenvalueCorrected(KroneckerFactored):
             # (τ = 0 marks every matrix stale either way)
             for plan in plans:
                 common.apply_criterion(job, plan, picked, shift=meta)
+                common.record_criterion(stack, job, plan, picked)
         decompositions = {} if use_qr else common.eigh_all(job, plans, workspace)
         for plan in plans:
             new = common.decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
@@ -93,7 +94,8 @@ class EigenvalueCorrected(KroneckerFactored):
                 self._permute(job.state, plan.dim, picked.index(new.done), new.order)
             picked.put(job.state[f"eigenvectors_{plan.dim}"], new.done, new.basis)
             stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
-                                 [job.members[r] for r in picked.list], job.step)
+                                 [job.members[r] for r in picked.list], job.step,
+                                 eigenvalues=new.values, group=group)
 
     def _meta_qr(self, stack, job, plan: common.DimRefresh, picked: common.Rows) -> None:
         """Meta's QR refresh of one dim: QR iterations on ``A + εI`` from the kept basis,
@@ -102,14 +104,19 @@ class EigenvalueCorrected(KroneckerFactored):
         name = f"eigenvectors_{j}"
         matrix = plan.matrix + group["epsilon"] * torch.eye(
             plan.matrix.shape[-1], dtype=plan.matrix.dtype, device=plan.matrix.device)
+        stale: list = []
         basis, values = eigenbasis.qr_algorithm_direct(
             matrix, picked.take(state[name]), group["qr_max_iterations"],
-            group["eigenbasis_tolerance"], group["orthogonalization"])
+            group["eigenbasis_tolerance"], group["orthogonalization"], first_stale=stale)
         ok = (linalg.finite_rows(basis) & linalg.finite_rows(values)).cpu()
         done = ok.nonzero().flatten().to(basis.device)
         picked.put(state[name], done, basis if len(done) == len(basis) else basis[done])
-        stack.count_failures(f"factor_matrix_{j}", ok, [job.members[r] for r in picked.list],
-                             job.step)
+        members = [job.members[r] for r in picked.list]
+        if stale and group["eigenbasis_tolerance"] > 0:
+            stack.health.record_recomputed(f"factor_matrix_{j}", len(stack.members), members,
+                                           stale[0])
+        stack.count_failures(f"factor_matrix_{j}", ok, members, job.step, eigenvalues=values,
+                             group=group)
 
     @staticmethod
     def _permute(state: dict, dim: int, blocks: Tensor, order: Tensor) -> None:

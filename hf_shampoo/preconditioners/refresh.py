@@ -103,6 +103,15 @@ def apply_criterion(job, plan: DimRefresh, picked: Rows, shift: bool) -> None:
     plan.values = plan.check.diagonal + epsilon
 
 
+def record_criterion(stack, job, plan: DimRefresh, picked: Rows) -> None:
+    """For ``metrics()``: which of the picked rows' bases the criterion found stale (with
+    ``eigenbasis_tolerance > 0``; τ = 0 recomputes every basis, no criterion)."""
+    if plan.check is not None and job.group["eigenbasis_tolerance"] > 0:
+        stack.health.record_recomputed(f"factor_matrix_{plan.dim}", len(stack.members),
+                                       [job.members[r] for r in picked.list],
+                                       plan.check.stale)
+
+
 def eigh_all(job, plans: list[DimRefresh], workspace) -> dict[int, linalg.Eigh]:
     """``eigh(A + εI)`` of every matrix to do, all dims in one batched call; by dim."""
     epsilon, device = job.group["epsilon"], job.grad.device

@@ -79,7 +79,10 @@ class Shampoo(KroneckerFactored):
         full = [j for j in self.factor_dims(stack, group) if j not in diagonal]
         for plan in common.plan_dims(job, diagonal, picked, workspace):
             # a diagonal matrix: the entries of A + εI are its eigenvalues, no decomposition
-            lam, cutoff = linalg.stabilized_eigenvalues(plan.matrix + group["epsilon"], group)
+            ridge = plan.matrix + group["epsilon"]
+            lam, cutoff = linalg.stabilized_eigenvalues(ridge, group)
+            stack.health.record_condition(f"factor_matrix_{plan.dim}", len(stack.members),
+                                          [job.members[r] for r in picked.list], ridge, group)
             exponent = self.exponents(group, stack.order)[plan.dim]
             root = job.state[f"inverse_root_{plan.dim}"]
             inverse = linalg.inverse_power(lam, exponent, cutoff)
@@ -92,6 +95,7 @@ class Shampoo(KroneckerFactored):
         if keeps and not first:
             for plan in plans:
                 common.apply_criterion(job, plan, picked, shift=False)
+                common.record_criterion(stack, job, plan, picked)
         decompositions = {} if use_qr else common.eigh_all(job, plans, workspace)
         for plan in plans:
             new = common.decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
@@ -100,7 +104,8 @@ class Shampoo(KroneckerFactored):
                 picked.put(job.state[f"eigenvectors_{plan.dim}"], new.done, new.basis)
             self._roots(stack, job, plan, picked, new, workspace)
             stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
-                                 [job.members[r] for r in picked.list], job.step)
+                                 [job.members[r] for r in picked.list], job.step,
+                                 eigenvalues=new.values, group=group)
 
     def _coupled_roots(self, stack, job, plan, picked) -> None:
         """``I_j`` of every refreshing row by Meta's coupled Newton or higher-order

@@ -29,6 +29,7 @@ from .arguments import (
     cast_value,
     chosen_preset,
     create_optimizer,
+    logs_metrics,
     optimizer_cls_and_kwargs,
     parse_optim_args,
     resolve_kwargs,
@@ -44,7 +45,7 @@ from .registration import (
     register,
     register_on_import,
 )
-from .trainer import first_refresh_note, save_ranks
+from .trainer import add_optimizer_metrics, first_refresh_note, save_ranks
 
 __all__ = [
     "FINE_TUNING_DEFAULTS",
@@ -59,11 +60,13 @@ __all__ = [
     "OptimArgs",
     "ShampooCheckpointCallback",
     "ShampooTrainer",
+    "add_optimizer_metrics",
     "cast_value",
     "chosen_preset",
     "create_optimizer",
     "first_refresh_note",
     "is_registered",
+    "logs_metrics",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",
     "register",

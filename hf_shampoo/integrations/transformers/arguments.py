@@ -61,7 +61,9 @@ SHAMPOO_EPSILON = 1e-12
 STATELESS_PRESETS = ("muon",)
 DEFAULT_PRESET = "transformer"
 
-INTEGRATION_KEYS = ("preset",)
+# optim_args keys that configure the Trainer integration, not the optimizer: the module
+# preset, and whether the Trainer's logs carry optimizer.metrics() (docs/metrics.md)
+INTEGRATION_KEYS = ("preset", "log_metrics")
 _OVERRIDE_SEPARATOR = "@"
 
 
@@ -80,6 +82,7 @@ class OptimArgs:
     kwargs: dict[str, Any] = field(default_factory=dict)
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     preset: str | None = None
+    log_metrics: bool = True  # optimizer.metrics() in every training log entry
 
 
 _DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
@@ -160,6 +163,24 @@ def cast_value(key: str, text: Any) -> Any:
     return raw
 
 
+def _flag(key: str, value: Any) -> bool:
+    """An integration key's true / false (a bool, or its spelling in ``optim_args``)."""
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise _bad(key, str(value).strip(), "true or false")
+
+
+def logs_metrics(args: Any) -> bool:
+    """Whether the Trainer adds ``optimizer.metrics()`` to its training logs: yes unless
+    ``optim_args`` says ``log_metrics=false``."""
+    return parse_optim_args(getattr(args, "optim_args", None)).log_metrics
+
+
 def _unknown_key(key: str, name: str) -> ValueError:
     return ValueError(
         f"hf_shampoo: unknown optim_args key {key!r}{did_you_mean(name, valid_keys())}; "
@@ -171,7 +192,8 @@ def _unknown_key(key: str, name: str) -> ValueError:
 def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
     """Parse ``"k=v,k=v,PATTERN@k=v"`` (or a dict) into typed keywords.
 
-    Keys are the docs/design.md §7 keyword names (plus ``preset``); ``PATTERN@key=value`` sets a
+    Keys are the docs/design.md §7 keyword names (plus ``preset`` and ``log_metrics``, the
+    integration's own: ``INTEGRATION_KEYS``); ``PATTERN@key=value`` sets a
     keyword for the parameters whose name or owning module's name matches the glob
     ``PATTERN``. Inside ``optim_args`` write ``;`` where Python writes ``,`` in a value
     (``betas=(0.9;0.999)``, ``inverse_exponent_override={2:{0:0;1:0.5}}``): transformers
@@ -197,7 +219,7 @@ def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
     seen: dict[tuple[str, str], str] = {}
     for key, value in items:
         pattern, sep, name = (part.strip() for part in str(key).rpartition(_OVERRIDE_SEPARATOR))
-        if name not in DEFAULTS and not (name == "preset" and not sep):
+        if name not in DEFAULTS and not (name in INTEGRATION_KEYS and not sep):
             raise _unknown_key(str(key), name)
         if sep and not pattern:
             raise ValueError(f"hf_shampoo: optim_args key {key!r} has an empty pattern")
@@ -212,6 +234,9 @@ def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
             preset = value.strip() if isinstance(value, str) else value
             check_preset(preset, "optim_args preset")
             parsed.preset = preset
+            continue
+        if name == "log_metrics":
+            parsed.log_metrics = _flag(name, value)
             continue
         target = parsed.overrides.setdefault(pattern, {}) if sep else parsed.kwargs
         target[name] = cast_value(name, value)
@@ -349,10 +374,12 @@ def create_optimizer(model: torch.nn.Module, args: Any, **options: Any) -> Distr
 
     ``options``: ``decay_parameter_names`` (default: the Trainer's rule), ``shampoo_kwargs``
     (docs/design.md §7 keywords over ``optim_args``), ``overrides`` ({pattern: keywords}),
-    ``preset``.
+    ``preset``, ``process_group`` (the data-parallel group the blocks are spread over, for a
+    pipeline stage's part of the model: docs/parallelism.md#pipeline-parallel).
     """
+    process_group = options.pop("process_group", None)
     kwargs = _build(args, model, **options)
-    return DistributedShampoo(kwargs.pop("params"), **kwargs)
+    return DistributedShampoo(kwargs.pop("params"), **kwargs, process_group=process_group)
 
 
 def optimizer_cls_and_kwargs(

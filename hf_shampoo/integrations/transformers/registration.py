@@ -1,9 +1,11 @@
 """Registration by name: ``optim="distributed_shampoo"`` / ``"distributed_muon"`` in
 transformers' ``OptimizerNames``, its optimizer handlers (5.x) or
-``Trainer.get_optimizer_cls_and_kwargs`` (4.x), and ``ShampooCheckpointCallback`` among the
-Trainer's default callbacks; and ``get_last_checkpoint`` (what ``resume_from_checkpoint=True``
-and the example scripts use) passes over a ``checkpoint-N`` whose save was cut short, with a
-warning, for the newest one the Trainer can resume. The only module that touches
+``Trainer.get_optimizer_cls_and_kwargs`` (4.x), ``ShampooCheckpointCallback`` among the
+Trainer's default callbacks, ``Trainer.log`` wrapped so that the training log entries of
+those names carry ``optimizer.metrics()`` (docs/metrics.md); and ``get_last_checkpoint``
+(what ``resume_from_checkpoint=True`` and the example scripts use) passes over a
+``checkpoint-N`` whose save was cut short, with a warning, for the newest one the Trainer
+can resume. The only module that touches
 transformers' internals, so it is guarded by version; ``register_on_import()`` (what
 ``import hf_shampoo`` calls) patches transformers' modules right after they load, never
 importing transformers itself.
@@ -24,7 +26,7 @@ from typing import Any
 from ...checkpoint.integrity import newest_complete, trainer_checkpoint_problem
 from ...optional import require
 from .arguments import MUON_NAME, OPTIMIZER_NAME, OPTIMIZER_NAMES, optimizer_cls_and_kwargs
-from .trainer import classes, uses_shampoo
+from .trainer import add_optimizer_metrics, classes, uses_shampoo
 
 # the members added to transformers' OptimizerNames enum
 _MEMBERS = {OPTIMIZER_NAME: "DISTRIBUTED_SHAMPOO", MUON_NAME: "DISTRIBUTED_MUON"}
@@ -126,6 +128,7 @@ def _patch_trainer(module: Any) -> None:
     callback = classes()["ShampooCheckpointCallback"]
     if callback not in module.DEFAULT_CALLBACKS:
         module.DEFAULT_CALLBACKS.append(callback)
+    _wrap_log(module.Trainer)
     trainer_optimizer = sys.modules.get("transformers.trainer_optimizer")
     if getattr(trainer_optimizer, "_OPTIMIZER_HANDLERS", None) is not None:
         return
@@ -144,6 +147,26 @@ def _patch_trainer(module: Any) -> None:
     get_optimizer_cls_and_kwargs._hf_shampoo = True
     wrapped._hf_shampoo = True
     trainer_cls.get_optimizer_cls_and_kwargs = wrapped
+
+
+def _wrap_log(trainer_cls: type) -> None:
+    """``Trainer.log`` that first adds ``optimizer.metrics()`` to a training log entry of
+    ``optim="distributed_shampoo"`` / ``"distributed_muon"`` (``add_optimizer_metrics``):
+    before ``log_history`` keeps a copy of it and the callbacks (``report_to``) see it,
+    which a callback's ``on_log`` comes too late for."""
+    original = trainer_cls.__dict__.get("log")
+    if original is None or getattr(original, "_hf_shampoo", False):
+        return
+
+    def log(self, logs, *args, **kwargs):
+        if uses_shampoo(self.args):
+            add_optimizer_metrics(self.args, self.optimizer, logs)
+        return original(self, logs, *args, **kwargs)
+
+    log._hf_shampoo = True
+    log.__doc__, log.__name__, log.__qualname__ = (original.__doc__, original.__name__,
+                                                   original.__qualname__)
+    trainer_cls.log = log
 
 
 _PATCHES: dict[str, Callable[[Any], None]] = {

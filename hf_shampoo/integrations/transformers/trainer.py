@@ -1,9 +1,11 @@
 """The Trainer side: ``ShampooCheckpointCallback`` (consolidates the sharded state before
 the Trainer saves on one rank; validates ``optim_args`` against the model when the Trainer
-is built; says when a run ends before the first preconditioner refresh) and
+is built; says when a run ends before the first preconditioner refresh),
 ``ShampooTrainer`` (the stable route: it overrides only the public
-``Trainer.create_optimizer``). Both subclass transformers' classes, so they are
-defined on first use (``classes()``), never by ``import hf_shampoo``.
+``Trainer.create_optimizer`` and ``Trainer.log``) and ``add_optimizer_metrics`` (what
+``Trainer.log`` adds to a training log entry: ``optimizer.metrics()``, docs/metrics.md).
+The classes subclass transformers' classes, so they are defined on first use
+(``classes()``), never by ``import hf_shampoo``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .arguments import (
     OPTIMIZER_NAMES,
     chosen_preset,
     create_optimizer,
+    logs_metrics,
     optim_name,
     parse_optim_args,
     resolve_kwargs,
@@ -94,6 +97,21 @@ def first_refresh_note(optimizer: Any, max_steps: int) -> str | None:
             f"to {max_steps} or less to precondition in this run.")
 
 
+def add_optimizer_metrics(args: Any, optimizer: Any, logs: dict[str, Any]) -> None:
+    """Add ``optimizer.metrics()`` (``optimizer/...``, docs/metrics.md) to a training log
+    entry, before the Trainer appends it to ``log_history`` and hands it to the reporters
+    (``report_to``: TensorBoard, W&B, ...). Only entries with a training ``loss`` (those of
+    ``logging_steps``, which every rank logs: ``metrics()`` is a collective), not
+    evaluations or the final summary; nothing with ``optim_args`` ``log_metrics=false``,
+    for another optimizer, or where the entry has the metrics already."""
+    if "loss" not in logs or any(str(key).startswith("optimizer/") for key in logs):
+        return
+    shampoo = find_shampoo(optimizer) if optimizer is not None else None
+    if shampoo is None or not logs_metrics(args):
+        return
+    logs.update(shampoo.metrics())
+
+
 _classes: dict[str, type] = {}
 
 
@@ -147,8 +165,9 @@ def classes() -> dict[str, type]:
     class ShampooTrainer(Trainer):
         """A ``Trainer`` that always trains with ``DistributedShampoo``.
 
-        Uses only public Trainer API (``create_optimizer``, ``get_decay_parameter_names``,
-        ``pop_callback`` / ``add_callback``: the checkpoint callback goes last).
+        Uses only public Trainer API (``create_optimizer``, ``log``: training log entries
+        carry ``optimizer.metrics()``, ``get_decay_parameter_names``, ``pop_callback`` /
+        ``add_callback``: the checkpoint callback goes last).
         ``args.optim_args`` is read as Shampoo keywords whatever
         ``args.optim`` says; ``shampoo_kwargs`` (docs/design.md §7 keywords), ``module_overrides``
         ({pattern: keywords}) and ``preset`` ("transformer", "cnn", "muon", "none") win over it.
@@ -187,6 +206,10 @@ def classes() -> dict[str, type]:
                     preset=self.shampoo_preset,
                 )
             return self.optimizer
+
+        def log(self, logs, *args, **kwargs):
+            add_optimizer_metrics(self.args, self.optimizer, logs)
+            return super().log(logs, *args, **kwargs)
 
     _classes.update(
         ShampooCheckpointCallback=ShampooCheckpointCallback, ShampooTrainer=ShampooTrainer
