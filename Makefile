@@ -4,14 +4,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast reference-suites fuzz demo demo-digits lint clean
+.PHONY: venv test test-fast reference-suites fuzz floors demo demo-digits lint clean
 
 venv: $(STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Re-install whenever pyproject.toml changes.
+# Re-install whenever pyproject.toml changes: `.[dev]` is every extra (what the examples,
+# the benchmarks and the tests use) and the test tools.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -e '.[dev]'
 	touch $@
@@ -47,6 +48,12 @@ FUZZ_FILES := $(wildcard tests/test_generated_dp_layouts.py tests/test_generated
 fuzz: venv
 	HF_SHAMPOO_LAYOUT_CASES=$(HF_SHAMPOO_LAYOUT_CASES) HF_SHAMPOO_LAYOUT_FRESH=$(HF_SHAMPOO_LAYOUT_FRESH) \
 		$(PY) -m pytest -q $(FUZZ_FILES)
+
+# The oldest supported releases (tools/floors.txt) in their own venv (.venv-floors, Python
+# 3.10): the unit layer, the integrations' tests and a small distributed subset (README,
+# "Compatibility"). CI tests the newest releases; this is run by hand when a floor moves.
+floors:
+	tools/floors.sh
 
 # ResNet-50 fine-tune on 2 CPU processes (torchrun + Accelerate), a few minutes.
 demo: venv

@@ -48,6 +48,7 @@ from benchmarks.tasks import (
 )
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import make_optimizer
+from hf_shampoo.optional import require
 
 LRS = (1e-3, 3e-3, 1e-2)
 
@@ -441,8 +442,7 @@ def ablation_lrs(record: dict) -> dict[str, str]:
 def plot(record: dict, out_dir: str, args) -> list[str]:
     """Loss against step and against seconds (mean over seeds, band min-max) for the
     optimizers, and against step for the ablations."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "the plots of benchmarks.ablation")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -195,6 +195,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where the runs keep their files")
     parser.add_argument("--json", default=None, help="also write every cell's record here")
     args = parser.parse_args()
+    from hf_shampoo.optional import require
+
+    for library in ("deepspeed", *(["transformers"] if "trainer" in args.paths else []),
+                    "accelerate"):  # before any rank is launched
+        require(library, "benchmarks.deepspeed_table")
     out = args.out or tempfile.mkdtemp(prefix="hf_shampoo_ds_table_")
     cells = [(p, s, d) for p in args.paths for d in args.dtypes for s in args.stages
              if d != "bf16+gacc32" or s == 1]

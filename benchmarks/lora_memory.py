@@ -18,6 +18,7 @@ from benchmarks.common import table_head, table_row
 from benchmarks.configs import SHAMPOO
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import make_optimizer
+from hf_shampoo.optional import require
 
 MODELS = {  # Llama 2 7B and 70B shapes
     "7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -28,7 +29,7 @@ MODELS = {  # Llama 2 7B and 70B shapes
 
 
 def lora_model(shape: dict, r: int = 16) -> torch.nn.Module:
-    import peft
+    peft = require("peft", "benchmarks.lora_memory")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):

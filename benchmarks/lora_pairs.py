@@ -23,6 +23,7 @@ from benchmarks.ablation import Optimizer, Task
 from benchmarks.configs import SHAMPOO, SOAP
 from benchmarks.harness import train_loop, warmup_cosine
 from benchmarks.tasks import classification_parts, digits_split, upsample
+from hf_shampoo.optional import require
 
 # Adam's hyperparameters as AdamW's runs (betas 0.9 / 0.999, eps 1e-8, decay 1e-4); the
 # adapters get the pair preconditioner through the module rules' overrides, as a user would
@@ -78,8 +79,7 @@ def vit_base(x: torch.Tensor, y: torch.Tensor, steps: int, batch: int) -> nn.Mod
 
 
 def make_vit_lora(base: nn.Module, seed: int, r: int = 4) -> nn.Module:
-    import peft
-
+    peft = require("peft", "benchmarks.lora_pairs")
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
                              target_modules=["qkv", "proj", "fc1", "fc2"])

@@ -29,6 +29,7 @@ from benchmarks.common import (
     trainable,
 )
 from hf_shampoo.config import DEFAULTS
+from hf_shampoo.optional import require
 
 BASE = {**DEFAULTS, "betas": (0.9, 0.999), "lr": 1e-3}
 CONFIGS = {
@@ -93,8 +94,7 @@ def tables(model_name: str, max_dim: int, worlds: list[int]) -> tuple[list[str],
 
 
 def plot(per_param: dict[str, dict[str, float]], path: str) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "the plot of benchmarks.memory")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -23,6 +23,8 @@ import sysconfig
 import torch
 from torch import nn
 
+from hf_shampoo.optional import require
+
 CONTEXT = 128  # tokens per GPT-2 training window
 
 
@@ -171,8 +173,7 @@ def make_lora(base: nn.Module, seed: int, r: int = 4) -> nn.Module:
     """A copy of ``base`` with peft's LoRA adapters (rank ``r``, alpha ``2r``) on GPT-2's
     attention and projection matrices (``c_attn``, ``c_proj``); the adapters' random
     half is drawn from ``seed``, the base weights are frozen."""
-    import peft
-
+    peft = require("peft", "the LoRA tasks of benchmarks.tasks")
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["c_attn", "c_proj"],
                              fan_in_fan_out=True, lora_dropout=0.0)

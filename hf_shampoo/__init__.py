@@ -9,6 +9,9 @@ or damaged (which checkpoint, which file, what to do).
 Importing the package registers the optimizer with transformers
 (``TrainingArguments(optim="distributed_shampoo")`` and ``optim="distributed_muon"``) and
 timm (``opt="shampoo"``) as soon as those libraries load, without importing either itself.
+torch is the only requirement; an integration used without its library raises an
+``ImportError`` naming the extra to install (``optional.py``). ``__version__`` is the
+release's version.
 """
 
 from .checkpoint.integrity import CheckpointError
@@ -20,7 +23,7 @@ from .stack import ShampooNumericalError
 
 __all__ = ["CheckpointError", "DistributedShampoo", "ShampooNumericalError", "describe",
            "make_optimizer"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the release; pyproject.toml's version is the same (tests/test_packaging.py)
 
 _register_timm()  # timm: opt="shampoo" / "soap" as soon as timm.optim is imported
 _register_transformers()  # transformers: optim="distributed_shampoo" once it is imported

@@ -13,6 +13,7 @@ what is allowed. Nothing here branches on a kind's name: the kinds say what they
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -285,7 +286,8 @@ FOREIGN_GROUP_KEYS = frozenset(
 def signature() -> inspect.Signature:
     """The constructor's signature from the table: ``params``, the ``POSITIONAL`` keywords,
     then every other keyword by name only."""
-    parameters = [inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    parameters = [inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    annotation=Iterable[Any])]
     for name, row in TABLE.items():
         kind = (inspect.Parameter.POSITIONAL_OR_KEYWORD if name in POSITIONAL
                 else inspect.Parameter.KEYWORD_ONLY)

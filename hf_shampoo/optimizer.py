@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import inspect
 from collections import ChainMap
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,8 @@ class DistributedShampoo(torch.optim.Optimizer):
     __init__.__signature__ = signature().replace(parameters=[  # type: ignore[attr-defined]
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         *signature().parameters.values(),
-        inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None)])
+        inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation="ProcessGroup | DeviceMesh | None")])
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -446,8 +447,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._update_refresh_offsets(layout)
 
     # ------------------------------------------------------------------ step
+    @overload  # as torch.optim.Optimizer.step: None without a closure, its loss with one
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One optimizer step (docs/design.md §2); returns the closure's loss if one is given.
 
         Under DeepSpeed ZeRO 1/2, which calls it once per group, the step is taken at the

@@ -20,8 +20,8 @@ Rules, by the fence's language tag:
   - ``export NAME=VALUE``: an assignment (the value, maybe a ``$(...)``, is not checked);
   - ``srun [--option=value ...] COMMAND`` (SLURM's launcher, written with ``=``) and
     ``bash -c "COMMAND"``: COMMAND is checked as a line of its own;
-  - ``pip install``: every extra named as ``.[extra]`` (also in the line's comment) is an
-    optional-dependency group of pyproject.toml;
+  - ``pip install``: every extra named as ``.[extra]`` or ``hf_shampoo[extra]`` (also in
+    the line's comment) is an optional-dependency group of pyproject.toml;
   - ``python SCRIPT ARGS`` (also ``.venv/bin/python``), ``python -m torch.distributed.run
     ...``, ``torchrun ...``, ``accelerate launch ...``, ``python -m hf_shampoo.run ...``:
     the script exists in this repository, and every ``--flag`` written for it appears in
@@ -256,8 +256,9 @@ def checks_for(line: str) -> list[Check]:
     if head == "pip":
         if rest[:1] != ["install"]:
             return [Check("error", f"pip {rest[:1]}: only pip install is known")]
-        # the extras, also those in the comment ("# or: pip install -e '.[dev]'")
-        extras = [e.strip() for group in re.findall(r"\.\[([^\]]+)\]", line)
+        # the extras, also those in the comment ("# or: pip install -e '.[dev]'"), of a
+        # checkout (.[dev]) or of the package by name (hf_shampoo[timm])
+        extras = [e.strip() for group in re.findall(r"(?:\.|\bhf_shampoo)\[([^\]]+)\]", line)
                   for e in group.split(",")]
         return [Check("extra", extra) for extra in extras]
     if head == "export":  # export NAME=VALUE: the value may be a $(command), not checked
@@ -505,6 +506,9 @@ def test_the_flag_checks_can_fail():
     assert flag_in_help("--nproc_per_node", "  --nproc_per_node NPROC, --nproc-per-node N")
     assert checks_for("python examples/nope.py")[0].kind == "error"
     assert checks_for("rm -rf outputs")[0].kind == "error"
+    assert checks_for("pip install 'hf_shampoo[timm,nope]'  # or: '.[dev]'") == [
+        Check("extra", "timm"), Check("extra", "nope"), Check("extra", "dev")]
+    assert "nope" not in pyproject_extras() and "timm" in pyproject_extras()
     assert checks_for("bash benchmarks/nope.sh step")[0].kind == "error"
     assert checks_for("python -m pytest -q tests/test_nope.py")[0].kind == "error"
     assert checks_for("python -m pytest -q tests/test_gpu.py") == []

@@ -5,6 +5,7 @@ in a fresh interpreter, and (slow) timm's train.py and the two-process example."
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -237,6 +238,8 @@ def test_diagonal_groups_step_exactly_like_adamw():
 
 
 def test_fallback_groups_become_diagonal():
+    if "fallback_list" not in inspect.signature(create_optimizer_v2).parameters:
+        pytest.skip("this timm has no fallback_list (its hybrid optimizers came after 1.0.12)")
     model = tiny_model()
     opt = create_optimizer_v2(model, opt="shampoo", weight_decay=0.05, fallback_list=["fc.*"])
     fc = next(g for g in opt.param_groups if any(p is model.fc.weight for p in g["params"]))

@@ -15,7 +15,11 @@ complete one. ``accelerator.load_state`` needs nothing: every rank loads the ful
 
 Everything else works as is: rank and world size come from Accelerate's process state,
 ``accelerator.accumulate`` steps the optimizer once per accumulated batch, and a step the
-fp16 ``GradScaler`` skips never reaches the optimizer. Accelerate is imported only here.
+fp16 ``GradScaler`` skips never reaches the optimizer. Accelerate is imported only by the
+helpers that take an ``Accelerator`` (``save_state``, ``load_state``,
+``register_checkpoint_hook``): without it they raise ``ImportError`` naming the extra
+(``pip install 'hf_shampoo[accelerate]'``); ``find_shampoo``, ``consolidate`` and
+``latest_checkpoint`` need only torch.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from ..checkpoint.consolidate import ranks_accelerate_saves_on  # noqa: F401 (public here)
 from ..checkpoint.integrity import check_marked, mark_complete, newest_complete
 from ..optimizer import DistributedShampoo
+from ..optional import require
 
 _MAX_WRAPPERS = 8  # AcceleratedOptimizer, smp / deepspeed wrappers, user wrappers
 
@@ -58,6 +63,10 @@ def consolidate(optimizers: Any | Iterable[Any], to: int | Iterable[int] | None 
     return count
 
 
+def _require_accelerate(helper: str) -> None:
+    require("accelerate", f"hf_shampoo.integrations.accelerate.{helper}")
+
+
 def _accelerator_optimizers(accelerator: Any) -> list[Any]:
     optimizers = getattr(accelerator, "_optimizers", None)
     if optimizers is None:
@@ -82,6 +91,7 @@ def save_state(
     Call it on every rank (as ``accelerator.save_state`` itself). ``optimizers`` defaults to
     those ``accelerator.prepare`` returned. Returns the directory written.
     """
+    _require_accelerate("save_state")
     found = _accelerator_optimizers(accelerator) if optimizers is None else list(optimizers)
     each_node = _saves_on_each_node(accelerator)
     consolidate(found, to=None if each_node else 0)
@@ -115,6 +125,7 @@ def load_state(accelerator: Any, input_dir: str | Path, **kwargs: Any) -> None:
     a directory that ``save_state`` did not finish marking, or whose files changed since,
     raises ``CheckpointError`` (which file, what to do) before anything is loaded. Call it
     on every rank."""
+    _require_accelerate("load_state")
     check_marked(input_dir)
     accelerator.load_state(str(input_dir), **kwargs)
 
@@ -140,6 +151,7 @@ def register_checkpoint_hook(accelerator: Any, *optimizers: Any) -> _SaveStateHa
     undoes it. (A plain ``accelerator.save_state()`` now writes a complete optimizer state
     by itself; this remains for code written against earlier versions.)
     """
+    _require_accelerate("register_checkpoint_hook")
     if not optimizers:
         raise ValueError("register_checkpoint_hook: pass the optimizer(s) to consolidate")
     original = accelerator.save_state

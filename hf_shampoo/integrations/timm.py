@@ -25,6 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from ..optimizer import DistributedShampoo
+from ..optional import require
 from ..preconditioners import KINDS
 
 # timm keeps only the part of `opt` after its last underscore ("lookahead_shampoo" is
@@ -250,8 +251,11 @@ def register(registry: Any = None, force: bool = False) -> bool:
 
     ``registry`` defaults to timm's ``default_registry``. A name that timm (or someone else)
     already uses for another optimizer is left alone with a warning unless ``force``.
-    Returns False, with no effect, when timm is missing or older than 1.0.12 (no registry).
+    Returns False, with no effect, when timm is older than 1.0.12 (no registry); raises
+    ``ImportError`` naming the extra (``pip install 'hf_shampoo[timm]'``) when timm is not
+    installed.
     """
+    require("timm", "hf_shampoo.integrations.timm.register (opt='shampoo' in timm)")
     try:
         factory = importlib.import_module(_FACTORY_MODULE)
     except ImportError:

@@ -24,14 +24,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ...checkpoint.integrity import newest_complete, trainer_checkpoint_problem
+from ...optional import require
 from .arguments import MUON_NAME, OPTIMIZER_NAME, OPTIMIZER_NAMES, optimizer_cls_and_kwargs
 from .trainer import add_optimizer_metrics, classes, uses_shampoo
 
 # the members added to transformers' OptimizerNames enum
 _MEMBERS = {OPTIMIZER_NAME: "DISTRIBUTED_SHAMPOO", MUON_NAME: "DISTRIBUTED_MUON"}
-# Registration by name patches transformers internals; it is tested on 5.23 and written for
-# 4.46 <= version < 6 (4.x through a wrapper of Trainer.get_optimizer_cls_and_kwargs).
-MIN_TRANSFORMERS_VERSION = "4.46.0"
+# Registration by name patches transformers internals; it is tested on 5.24 and on 4.47 (the
+# floor, `make floors`) and written for 4.47 <= version < 6 (4.x through a wrapper of
+# Trainer.get_optimizer_cls_and_kwargs).
+MIN_TRANSFORMERS_VERSION = "4.47.0"
 MAX_TRANSFORMERS_VERSION = "6.0.0"  # exclusive
 _version_ok: list[bool] = []
 
@@ -40,8 +42,8 @@ def _version_supported() -> bool:
     """Whether registration by name supports the installed transformers (warns once if not)."""
     if _version_ok:
         return _version_ok[0]
-    import transformers
-    from packaging.version import Version
+    transformers = require("transformers", "optim='distributed_shampoo' in TrainingArguments")
+    from packaging.version import Version  # a dependency of transformers
 
     version = Version(transformers.__version__)
     ok = Version(MIN_TRANSFORMERS_VERSION) <= version < Version(MAX_TRANSFORMERS_VERSION)

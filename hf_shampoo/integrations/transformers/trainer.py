@@ -17,6 +17,7 @@ from typing import Any
 
 from ... import averaging
 from ...config import start_step
+from ...optional import require
 from ...preconditioners import KINDS
 from ..accelerate import consolidate, find_shampoo
 from ..modules import check_preset
@@ -118,7 +119,8 @@ def classes() -> dict[str, type]:
     """Define the classes that subclass transformers' (imported on first use)."""
     if _classes:
         return _classes
-    from transformers import Trainer, TrainerCallback
+    transformers = require("transformers", "ShampooTrainer / ShampooCheckpointCallback")
+    Trainer, TrainerCallback = transformers.Trainer, transformers.TrainerCallback
 
     if _classes:  # importing the Trainer ran the import hook, which defined them
         return _classes
