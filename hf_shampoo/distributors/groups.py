@@ -2,8 +2,8 @@
 (``process_group=``, pipeline stages; docs/parallelism.md#pipeline-parallel).
 
 ``RankGroup`` is the ranks of one process group in the group's order (its ``rank`` is this
-process's position there) and the collectives the distributors run over them besides their
-exchanges: a flag OR-ed over the group (``any``). ``resolve`` turns the constructor's
+process's position there) and that process group (``base.world_any`` ORs a flag over it).
+``resolve`` turns the constructor's
 ``process_group`` (a ``ProcessGroup`` or a 1-D ``DeviceMesh``) and the parameters into one,
 refusing, with the ranks named, a group that does not contain this rank and DTensor
 parameters whose mesh is not within it. Without a group, DTensor parameters on a stage's
@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -63,15 +62,6 @@ class RankGroup:
     @property
     def is_world(self) -> bool:
         return self.process_group is None
-
-    def position(self, global_rank: int) -> int:
-        return self.ranks.index(global_rank)
-
-    def any(self, flag: bool, device: torch.device) -> bool:
-        """``flag`` OR-ed over the group's ranks (one tiny ``all_reduce``)."""
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bool(value.item())
 
     def describe(self) -> str:
         """The group in messages and ``describe()``: "the world (4 ranks)" or its ranks."""
