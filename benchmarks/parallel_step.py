@@ -65,31 +65,56 @@ def gradients(params, step: int):
     return [torch.randn(p.shape, generator=g) * 1e-2 for p in params]
 
 
+def placed(named, mesh):
+    """The parameters ``named`` as DTensors on ``mesh`` by ``tp_placements``, and a function
+    that places full gradients like them."""
+    from torch.distributed.tensor import distribute_tensor
+
+    placements = [tp_placements(n, tuple(t.shape)) for n, t in named]
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, pl, src_data_rank=None))
+              for (_, t), pl in zip(named, placements)]
+
+    def place_grads(grads):
+        for p, g, pl in zip(params, grads, placements):
+            p.grad = distribute_tensor(g, mesh, pl, src_data_rank=None)
+
+    return params, place_grads
+
+
+def steady_step_times(opt, full, place_grads, steps: int) -> list[float]:
+    """One grafting-only step (the state allocated), then ``steps`` preconditioned steps
+    without a refresh, each timed after a barrier."""
+    place_grads(gradients(full, 0))
+    opt.step()
+    for group in opt.param_groups:
+        group["step"] = group["start_preconditioning_step"]
+    times = []
+    for step in range(1, steps + 1):
+        place_grads(gradients(full, step))
+        dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int,
              layers: int = 12) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
     named = named_gpt2(layers)
     full = [t for _, t in named]
-    times, measured, planned, computed = [], 0, 0, 0
+    measured, planned, computed = 0, 0, 0
     if scheme == "ddp":
         params = [torch.nn.Parameter(t.clone()) for t in full]
         opt = DistributedShampoo(params, distributed="ddp", **CONFIG)
         place_grads = lambda grads: [setattr(p, "grad", g) for p, g in zip(params, grads)]
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-        placements = [tp_placements(n, tuple(t.shape)) for n, t in named]
-        params = [torch.nn.Parameter(distribute_tensor(t, mesh, pl, src_data_rank=None))
-                  for t, pl in zip(full, placements)]
-
-        def place_grads(grads):
-            for p, g, pl in zip(params, grads, placements):
-                p.grad = distribute_tensor(g, mesh, pl, src_data_rank=None)
-
+        params, place_grads = placed(named, mesh)
         if scheme == "lossless":
             opt = DistributedShampoo(params, **CONFIG)
         else:  # full_tensor on every rank: one process's optimizer on full copies
@@ -110,16 +135,7 @@ def run_rank(rank: int, scheme: str, init_file: str, out: str, steps: int,
             opt = FullTensorStep()
             for p in params:
                 computed += 2 * (p.numel() - p.to_local().numel()) * 4
-    place_grads(gradients(full, 0))
-    opt.step()  # state allocated (a grafting-only step)
-    for group in opt.param_groups:  # preconditioned steps without a refresh
-        group["step"] = group["start_preconditioning_step"]
-    for step in range(1, steps + 1):
-        place_grads(gradients(full, step))
-        dist.barrier()
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
+    times = steady_step_times(opt, full, place_grads, steps)
     if scheme == "lossless":
         measured = opt.distributor.bytes_last_step
         planned = opt.distributor.planned_bytes()

@@ -23,14 +23,13 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import MIB, arguments, hardware, table_head, table_row
-from benchmarks.parallel_step import CONFIG, gradients, named_gpt2, tp_placements
+from benchmarks.parallel_step import CONFIG, named_gpt2, placed, steady_step_times
 from hf_shampoo import DistributedShampoo
 
 WORLD = 8
@@ -50,7 +49,6 @@ def run_rank(rank: int, layout: str, init_file: str, out: str, steps: int,
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
     # the vocabulary padded to a multiple of 8 rows, as Megatron pads it: torch's
     # distribute_tensor places uneven _StridedShard rows otherwise than FSDP2 does
@@ -64,26 +62,9 @@ def run_rank(rank: int, layout: str, init_file: str, out: str, steps: int,
     else:
         mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
     full = [t for _, t in named]
-    placements = [tp_placements(n, tuple(t.shape)) for n, t in named]
-    params = [torch.nn.Parameter(distribute_tensor(t, mesh, pl, src_data_rank=None))
-              for t, pl in zip(full, placements)]
-
-    def place_grads(grads):
-        for p, g, pl in zip(params, grads, placements):
-            p.grad = distribute_tensor(g, mesh, pl, src_data_rank=None)
-
+    params, place_grads = placed(named, mesh)
     opt = DistributedShampoo(params, **CONFIG)
-    place_grads(gradients(full, 0))
-    opt.step()  # state allocated (a grafting-only step)
-    for group in opt.param_groups:  # preconditioned steps without a refresh
-        group["step"] = group["start_preconditioning_step"]
-    times = []
-    for step in range(1, steps + 1):
-        place_grads(gradients(full, step))
-        dist.barrier()
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
+    times = steady_step_times(opt, full, place_grads, steps)
     state = sum(t.numel() * t.element_size()
                 for entry in opt.local_state_dict()["state"].values() for t in entry.values())
     torch.save({"median": statistics.median(times),

@@ -38,18 +38,21 @@ pytestmark = pytest.mark.distributed
 
 STEPS, SAVE_AT = 4, 2
 
+
+def saved_and_resumed(name: str, layout: str, kind: str, directory: str) -> list[dict]:
+    """A run that saves a DCP checkpoint into ``directory`` after ``SAVE_AT`` steps, and a
+    fresh run (``{name}_resumed``) that resumes from it to the last step."""
+    run = dict(layout=layout, kind=kind, steps=STEPS, save_at=SAVE_AT)
+    return [dict(name=name, checkpoint=directory, **run),
+            dict(name=f"{name}_resumed", resume_from=directory, **run)]
+
+
 WORLD4 = [
-    dict(name="ddp_shampoo", layout="ddp_gpipe", kind="shampoo", steps=STEPS, save_at=SAVE_AT,
-         checkpoint="ddp"),
-    dict(name="ddp_shampoo_resumed", layout="ddp_gpipe", kind="shampoo", steps=STEPS,
-         save_at=SAVE_AT, resume_from="ddp"),
+    *saved_and_resumed("ddp_shampoo", "ddp_gpipe", "shampoo", "ddp"),
     dict(name="ddp_muon", layout="ddp_gpipe", kind="muon", steps=3),
     dict(name="ddp_soap", layout="ddp_gpipe", kind="soap", steps=3),
     dict(name="fsdp_shampoo", layout="fsdp_1f1b", kind="shampoo", steps=3),
-    dict(name="fsdp_soap", layout="fsdp_1f1b", kind="soap", steps=STEPS, save_at=SAVE_AT,
-         checkpoint="fsdp"),
-    dict(name="fsdp_soap_resumed", layout="fsdp_1f1b", kind="soap", steps=STEPS,
-         save_at=SAVE_AT, resume_from="fsdp"),
+    *saved_and_resumed("fsdp_soap", "fsdp_1f1b", "soap", "fsdp"),
     dict(name="fsdp_muon", layout="fsdp_1f1b", kind="muon", steps=3),
     dict(name="interleaved_shampoo", layout="fsdp_interleaved", kind="shampoo", steps=3),
 ]
@@ -60,14 +63,10 @@ WORLD2 = [  # the 4-rank checkpoints resumed on 2 stages × 1
          save_at=SAVE_AT, resume_from="ddp"),
 ]
 WORLD8 = [
-    dict(name="tp_shampoo", layout="fsdp_tp_1f1b", kind="shampoo", steps=STEPS,
-         save_at=SAVE_AT, checkpoint="tp"),
-    dict(name="tp_shampoo_resumed", layout="fsdp_tp_1f1b", kind="shampoo", steps=STEPS,
-         save_at=SAVE_AT, resume_from="tp"),
+    *saved_and_resumed("tp_shampoo", "fsdp_tp_1f1b", "shampoo", "tp"),
     dict(name="tp_muon", layout="fsdp_tp_1f1b", kind="muon", steps=3),
     dict(name="tp_soap", layout="fsdp_tp_1f1b", kind="soap", steps=3),
 ]
-
 
 def spawn(world: int, cases: list[dict], root: str, checkpoints: str) -> list[dict]:
     cases = [{**c, **{k: os.path.join(checkpoints, c[k]) for k in ("checkpoint", "resume_from")

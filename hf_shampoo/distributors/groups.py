@@ -3,8 +3,8 @@
 
 ``RankGroup`` is the ranks of one process group in the group's order (its ``rank`` is this
 process's position there) and that process group (``base.world_any`` ORs a flag over it).
-``resolve`` turns the constructor's
-``process_group`` (a ``ProcessGroup`` or a 1-D ``DeviceMesh``) and the parameters into one,
+``resolve`` turns the constructor's ``process_group`` (a ``ProcessGroup`` or a 1-D
+``DeviceMesh``) and the parameters into one,
 refusing, with the ranks named, a group that does not contain this rank and DTensor
 parameters whose mesh is not within it. Without a group, DTensor parameters on a stage's
 sub-mesh of a root mesh with a ``"pp"`` dim (torchtitan's ``(pp, dp_shard, tp)``) are
