@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_session.sh all        # the four in order
 #   bash benchmarks/gpu_session.sh lent       # ONE call of at most 9 minutes, the most valuable
 #                                             # first (below): what a lent 15-minute GPU runs
+#   bash benchmarks/gpu_session.sh followup   # after `lent`, in what is left (~5 min): the
+#                                             # device tests again, batch invariance, roots
 #
 # `lent` runs check, the `device` tests (SIGINT after 150 s, so pytest prints its summary),
 # Muon, the step against Meta, the root solvers and GPT-2 through the Trainer, each cut at
@@ -97,6 +99,21 @@ lent() {
         "${e2e_size[@]}" --json "$OUT/e2e_gpt2.json" --write "$OUT/e2e_gpt2.md"
 }
 
+followup() {  # the second call of a lent GPU: tests after fixes, what `lent` cut short
+    local modules=tests roots=(--model resnet50 --rounds 1)
+    if [ "$SMOKE" = 1 ]; then
+        modules="tests/test_host_sync.py tests/test_kronecker.py"
+        roots=(--model gpt2-tiny --rounds 1 --threads 1)
+    fi
+    echo "== tests (SIGINT after 150 s: pytest prints its summary)" | tee -a "$OUT/tests.log"
+    HF_SHAMPOO_TEST_DEVICE=$DEVICE timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider \
+        -m device --junitxml="$OUT/tests.xml" $modules 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+    local dtypes=(--dtypes float32 float64)
+    [ "$SMOKE" = 1 ] && dtypes=(--dtypes float64)
+    part batch_invariance 50 $PY -m benchmarks.batch_invariance --device "$DEVICE" "${dtypes[@]}"
+    part step_roots 80 $PY -m benchmarks.root_solvers --device "$DEVICE" "${roots[@]}"
+}
+
 step() {
     # per model, into one log: the steady step, eigh and QR refreshes (Householder and
     # Cholesky-QR, with the per-size cost table) and bf16 roots against Meta and fused AdamW;
@@ -151,6 +168,7 @@ case "${1:-all}" in
     e2e-gpt2) e2e gpt2 540 ;;
     tp) tp ;;
     lent) lent ;;
+    followup) followup ;;
     all) check; tests; step; e2e resnet50 300; e2e gpt2 240 ;;
-    *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|tp|lent|all" >&2; exit 2 ;;
+    *) echo "usage: $0 check|tests|step|e2e|e2e-resnet50|e2e-gpt2|tp|lent|followup|all" >&2; exit 2 ;;
 esac

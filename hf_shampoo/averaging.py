@@ -36,7 +36,7 @@ def in_train_mode(group) -> bool:
 
 
 def _f32(value: float) -> Tensor:
-    return torch.tensor(float(value), dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
 
 
 def step_coefficients(group) -> tuple[tuple[float, float, float] | None, float | None]:

@@ -54,7 +54,7 @@ def compile_parameters() -> list[str]:
 
 
 def _scalar(value: float) -> Tensor:
-    return torch.tensor(value, dtype=torch.float64)
+    return torch.tensor(value, dtype=torch.float64, device="cpu")
 
 
 def _rows(t: Tensor) -> Tensor:

@@ -169,7 +169,7 @@ def _local(layout, groups: list[dict], distributor, step_health: StepHealth,
                 _, graft_norm, norm, rows = record
                 graft_norm, norm = graft_norm.flatten(), norm.flatten()
                 if rows:  # rows still grafting (a staggered start): no preconditioner yet
-                    keep = torch.ones(graft_norm.shape[0], dtype=torch.bool)
+                    keep = torch.ones(graft_norm.shape[0], dtype=torch.bool, device="cpu")
                     keep[list(rows)] = False
                     keep = keep.to(graft_norm.device)
                     graft_norm, norm = graft_norm[keep], norm[keep]
@@ -205,11 +205,11 @@ def _gather(values: list[float], conditions: list[float], process_group, device
     dist.all_reduce(length, op=dist.ReduceOp.MAX, group=process_group)
     width = len(values) + 1 + int(length.item())
     mine = torch.full((width,), math.nan, dtype=torch.float64, device=device)
-    mine[:len(values)] = torch.tensor(values, dtype=torch.float64)
+    mine[:len(values)] = torch.tensor(values, dtype=torch.float64, device=device)
     mine[len(values)] = len(conditions)
     if conditions:
         mine[len(values) + 1:len(values) + 1 + len(conditions)] = torch.tensor(
-            conditions, dtype=torch.float64)
+            conditions, dtype=torch.float64, device=device)
     size = dist.get_world_size(process_group)
     rows = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(rows, mine, group=process_group)

@@ -235,7 +235,7 @@ def power(values: Tensor, exponent: float, in_place: bool = False) -> Tensor:
             return out.reciprocal_() if in_place else out.reciprocal()
         return out
     if values.device.type == "cpu":
-        spread = torch.empty((*values.shape, 2), dtype=torch.float64)
+        spread = torch.empty((*values.shape, 2), dtype=torch.float64, device="cpu")
         result = spread[..., 0].copy_(values).pow_(exponent)
     else:
         result = values.double().pow(exponent)

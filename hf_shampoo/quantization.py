@@ -31,7 +31,7 @@ def linear_square_levels(dtype: torch.dtype = torch.float32,
     """The 16 levels ``sign(x)·x²``, ``x`` in ``linspace(-1, 1, 16)``, ascending, with the
     level ``-1/225`` replaced by 0 (as the paper's code does), so that zeros stay exact:
     the identity a factor starts from, the padding of short rows, empty blocks."""
-    x = torch.linspace(-1, 1, 16, dtype=torch.float64)
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64, device="cpu")
     levels = x.sign() * x.square()
     levels[7] = 0.0
     return levels.to(dtype=dtype, device=device)

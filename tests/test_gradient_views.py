@@ -61,7 +61,7 @@ def _train(config, set_to_none, steps=6, unused_at=3, device="cpu"):
     gen = torch.Generator().manual_seed(1)
     first = None
     for step in range(steps):
-        x = torch.randn(32, 96, generator=gen).to(device)
+        x = torch.randn(32, 96, generator=gen, device="cpu").to(device)
         opt.zero_grad(set_to_none=set_to_none)
         if step == unused_at:
             model[4].weight.grad = None

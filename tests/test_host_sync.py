@@ -55,13 +55,20 @@ def recorded_syncs():
     """Instrument the tensor methods that synchronise; yield the list of package sites."""
     sites: list[str] = []
     real = {name: getattr(torch.Tensor, name) for name in SYNCING_METHODS + ("__getitem__",)}
+    depth = [0]  # a default device (``torch.set_default_device``, as on CUDA here) is a
+    # torch-function mode, through which the real method calls the patched one again
 
     def wrap(name):
         def method(self, *args, **kwargs):
-            site = _caller_in_package()
-            if site:
-                sites.append(f"{name} at {site}")
-            return real[name](self, *args, **kwargs)
+            if depth[0] == 0:
+                site = _caller_in_package()
+                if site:
+                    sites.append(f"{name} at {site}")
+            depth[0] += 1
+            try:
+                return real[name](self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
         return method
 
     def getitem(self, index):
@@ -119,13 +126,16 @@ def test_steady_steps_do_not_synchronise(kind):
     assert all(not torch.equal(a, p) for a, p in zip(before, params))  # they did step
 
 
-def test_the_gradient_check_synchronises_once_per_step():
+@pytest.mark.parametrize("default_device", [False, True])
+def test_the_gradient_check_synchronises_once_per_step(default_device):
     """With ``check_finite_gradients`` (the default), a steady step reads one answer on the
-    host, in the distributor's fused check, and nothing else."""
+    host, in the distributor's fused check, and nothing else; also counted once under a
+    default device (a torch-function mode that re-enters the instrumented methods)."""
     opt, params, grads = _optimizer(check_finite_gradients=True)
     for t in range(5):
         _step(opt, params, grads[t])
-    with recorded_syncs() as sites:
+    mode = torch.device(TEST_DEVICE) if default_device else contextlib.nullcontext()
+    with mode, recorded_syncs() as sites:
         if TEST_DEVICE.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
         _step(opt, params, grads[5])

@@ -252,8 +252,10 @@ def test_param_groups_with_their_own_hyperparameters():
             torch.testing.assert_close(
                 ps[i].detach(),
                 refs[i].param,
-                rtol=1e-9,
-                atol=1e-12,
+                # round-off only: cuBLAS's float64 products against the reference's differ
+                # by 2.4e-9 (relative) after 5 steps on an H200; a wrong formula is O(1)
+                rtol=1e-8,
+                atol=1e-11,
                 msg=lambda m, t=t, i=i: f"group {i}, step {t + 1}: {m}",
             )
 

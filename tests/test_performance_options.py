@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg
-from tests.helpers import F64, generator, random_tensors
+from tests.helpers import F64, cpu_batch_invariance, generator, random_tensors
 from tests.reference_shampoo import ReferenceShampoo
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
@@ -137,6 +137,7 @@ def test_syrk_equals_full_product(d, k):
     torch.testing.assert_close(linalg.syrk(torch.full_like(f, float("nan")), x), x @ x.mT)
 
 
+@cpu_batch_invariance
 def test_syrk_of_a_matrix_does_not_depend_on_its_batch():
     """Distributed runs batch blocks differently; each block's result must be the same."""
     g = generator(1)
@@ -219,6 +220,7 @@ def test_factor_update_of_middle_dims_uses_scratch(shape):
 # ------------------------------------------------------------ LAPACK on several threads
 
 
+@cpu_batch_invariance
 def test_lapack_results_do_not_depend_on_batch_with_several_threads():
     """With several threads each matrix is decomposed single-threaded, in any batch."""
     g = generator(6)

@@ -8,7 +8,7 @@ import torch
 from hf_shampoo import DistributedShampoo, quantization
 from hf_shampoo.preconditioners.quantized import QuantizedShampoo
 from hf_shampoo.stack import BlockStack
-from tests.helpers import generator
+from tests.helpers import cpu_batch_invariance, generator
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
 
@@ -18,7 +18,7 @@ LEVELS = quantization.linear_square_levels(torch.float64)
 def test_linear_square_code():
     """docs/design.md §5: sign(x)·x² over linspace(-1, 1, 16), with -1/225 replaced by an
     exact 0."""
-    x = torch.linspace(-1, 1, 16, dtype=torch.float64)
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64, device=LEVELS.device)
     expected = x.sign() * x.square()
     assert len(LEVELS) == 16 and bool((LEVELS[1:] > LEVELS[:-1]).all())
     assert LEVELS[7] == 0 and float(expected[7]) == pytest.approx(-1 / 225)
@@ -348,6 +348,7 @@ def test_reachable_from_optim_args_and_timm():
     assert "factor_eigenvectors_0_codes" in stack.state
 
 
+@cpu_batch_invariance
 def test_a_rows_first_decomposition_does_not_depend_on_its_stack(monkeypatch):
     """A sample's eigendecomposition is ``eigh`` for a block's first one and QR from its
     kept basis after, decided row by row: it was decided for the whole call (``eigh`` for

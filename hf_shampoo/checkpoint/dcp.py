@@ -97,7 +97,7 @@ def load_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
         flat_key = f"state.{key[0]}.{key[1]}"
         meta = saved.get(flat_key)
         if meta is not None:
-            template[flat_key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            template[flat_key] = torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
     _read(checkpoint_dir, template, _group_of(optimizer))
     optimizer.load_state_dict(unflatten(template))
 

@@ -260,11 +260,11 @@ class ShardedDistributor(Distributor):
             return cuts
         device = block.param.device
         numel = math.prod(held.shape)
-        positions = torch.arange(numel)
+        positions = torch.arange(numel, device="cpu")
         in_block = positions.view(block.merged)[tuple(slice(x, y) for x, y in
                                                       zip(lo, hi))].reshape(-1)
-        where = torch.full((numel,), -1, dtype=torch.long)
-        where[in_block] = torch.arange(in_block.numel())
+        where = torch.full((numel,), -1, dtype=torch.long, device="cpu")
+        where[in_block] = torch.arange(in_block.numel(), device="cpu")
         for ranks, box, offset in zip(held.ranks, held.boxes, held.offsets):
             flat = positions.view(held.shape)[tuple(slice(a, b) for a, b in box)].reshape(-1)
             at = where[flat]

@@ -98,12 +98,12 @@ class EigendecomposedShampoo(Shampoo):
             check = eigenbasis.check_basis(ridge, kept, group["eigenbasis_tolerance"])
             values.copy_(check.diagonal)
             todo = check.stale.nonzero().flatten()
-        ok = torch.ones(n, dtype=torch.bool)
-        held = torch.ones(n, dtype=torch.bool)
+        ok = torch.ones(n, dtype=torch.bool, device="cpu")
+        held = torch.ones(n, dtype=torch.bool, device="cpu")
         held[todo.cpu()] = False
         if len(todo):
             eig = linalg.batched_eigh(ridge if len(todo) == n else ridge[todo])
-            good = torch.tensor(eig.ok, dtype=torch.bool)
+            good = torch.tensor(eig.ok, dtype=torch.bool, device="cpu")
             ok[todo.cpu()] = good
             rows = todo[good.to(todo.device)]
             basis[rows] = eig.eigenvectors[good.to(todo.device)]

@@ -199,8 +199,8 @@ class QuantizedFactors:
         """``(eigenvalues, eigenvectors, ok, kept)`` of the sampled factors by ``eigh``
         (``kept``: a mask of the rows whose stored basis was re-used, or None)."""
         eig = linalg.batched_eigh(factor)
-        return (eig.eigenvalues, eig.eigenvectors, torch.tensor(eig.ok, dtype=torch.bool),
-                None)
+        ok = torch.tensor(eig.ok, dtype=torch.bool, device="cpu")
+        return eig.eigenvalues, eig.eigenvectors, ok, None
 
     def refresh_quantized(self, stack, job, rows: list[int],
                           descending: bool) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
@@ -223,7 +223,7 @@ class QuantizedFactors:
                   want) for want in (True, False) if want in fresh]
         for j, factor in sampled.items():
             d = stack.shape[j]
-            ok = torch.zeros(len(rows), dtype=torch.bool)
+            ok = torch.zeros(len(rows), dtype=torch.bool, device="cpu")
             done_parts, value_parts, vector_parts = [], [], []
             for local, first in parts:
                 every = len(parts) == 1
