@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.config import is_refresh_step
 from hf_shampoo.health import StackHealth
-from tests.helpers import join_gloo_world
+from tests.helpers import join_gloo_world, leave_gloo_world
 
 pytestmark = pytest.mark.unit
 
@@ -366,8 +366,7 @@ def _ddp_worker(rank, world, init_file, out_dir):
     torch.save({"first": first, "second": second, "failed": failed, "layouts": layouts,
                 "distributor": type(opt.distributor).__name__},
                os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_gloo_world()
 
 
 def _same(a, b):
