@@ -153,13 +153,13 @@ def lora_pair(rng: random.Random, prefix: str) -> list[tuple[str, tuple[int, ...
 
 def full_params(shapes, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g) for s in shapes]
+    return [torch.randn(s, generator=g, device="cpu") for s in shapes]
 
 
 def full_grads(shapes, seed: int, step: int, no_grad: dict[int, tuple[int, ...]]
                ) -> list[torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed * 1009 + step)
-    grads = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g, device="cpu") for s in shapes]
     return [None if step in no_grad.get(i, ()) else grad for i, grad in enumerate(grads)]
 
 
