@@ -175,7 +175,8 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
     Keyword("refresh_schedule", "all", str, choice("all", "staggered"), doc=(
             "`\"all\"`: every block refreshes on the same steps; `\"staggered\"`: each block on"
             " its own offset within the `precondition_frequency` window, so no step spikes "
-            "(see [Performance](performance.md#refresh_schedulestaggered))")),
+            "(see [Performance](performance.md#refresh_schedulestaggered)); `make_optimizer`,"
+            " the Trainer and timm default to `\"staggered\"`")),
     Keyword("iterate_averaging", None, str, choice(None, "gpa", "schedule_free"),
             scope=scoped('layout'), doc=(
             "`None`, `\"gpa\"` (generalized primal averaging, arXiv 2512.17131; Meta's "

@@ -108,12 +108,25 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Validate the group completely, then add it (nothing changes on error)."""
+        """Validate the group completely, then add it (nothing changes on error).
+
+        Progressive unfreezing as torch documents it: ``add_param_group({"params":
+        layer.parameters(), ...})`` with bare tensors also where the other groups are named
+        (``make_optimizer``'s are), which torch's own rule refuses. The tensors are named
+        after the model's parameters where the optimizer knows them (``make_optimizer``
+        remembers every name of its model, frozen ones too), else ``param_groups[g][k]``."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
+        if (self.param_groups and "param_names" in self.param_groups[0]
+                and "param_names" not in group
+                and not any(isinstance(p, tuple) for p in params)):
+            known = getattr(self, "_known_names", {})
+            index = len(self.param_groups)
+            params = [(known.get(id(p)) or f"param_groups[{index}][{k}]", p)
+                      for k, p in enumerate(params)]
         group["params"] = params
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         merged = {**self.defaults, **{k: v for k, v in group.items() if k != "params"}}
@@ -653,6 +666,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         plus this rank's state in the checkpoint layout, so that the copy continues
         exactly as the original would. Hooks are not kept, as in torch."""
         state = super().__getstate__()
+        state.pop("_known_names", None)  # ids of this process's tensors
         # a process group is not copied: its ranks are, and the copy uses the same group
         group = self._process_group
         state["_process_group_ranks"] = None if group is None else ranks_of(group)

@@ -545,8 +545,11 @@ def param_groups(
 
 
 # What make_optimizer(defaults="adamw") sets over the class's (Meta's) defaults, so that
-# AdamW's learning rate works (docs/hyperparameters.md; benchmarks/digits_defaults.py)
-ADAMW_DEFAULTS: dict[str, Any] = {"grafting": "adam", "betas": (0.9, 0.999)}
+# AdamW's learning rate works (docs/hyperparameters.md; benchmarks/digits_defaults.py), and
+# so that no step waits for every block's refresh at once: the staggered schedule spreads
+# the refreshes over the precondition_frequency window (docs/performance.md)
+ADAMW_DEFAULTS: dict[str, Any] = {"grafting": "adam", "betas": (0.9, 0.999),
+                                  "refresh_schedule": "staggered"}
 
 
 def make_optimizer(
@@ -563,10 +566,18 @@ def make_optimizer(
 
     ``weight_decay`` among them applies to the decayed parameters only. ``defaults="adamw"``
     (the default) takes AdamW's learning rate: Adam grafting (``grafting="adam"``) and
-    AdamW's betas ``(0.9, 0.999)`` unless given, as the Trainer does (``ADAMW_DEFAULTS``;
-    presets of spectral descent, ``"muon"``, set their own grafting and keep the class's
-    defaults); ``defaults="meta"`` keeps the class's, which are Meta's (no grafting,
-    ``betas=(0.9, 1.0)``), whose learning rate lives on another scale.
+    AdamW's betas ``(0.9, 0.999)`` unless given, as the Trainer does, and staggered
+    refreshes (``refresh_schedule="staggered"``: no step refreshes every block at once)
+    (``ADAMW_DEFAULTS``; presets of spectral descent, ``"muon"``, set their own grafting
+    and keep the class's defaults); ``defaults="meta"`` keeps the class's, which are Meta's
+    (no grafting, ``betas=(0.9, 1.0)``, every block refreshed on the same steps), whose
+    learning rate lives on another scale.
+
+    Parameters frozen now (``requires_grad=False``) are left out, as the Trainer leaves
+    them out; to train one later (progressive unfreezing), unfreeze it and add it, as torch
+    documents: ``optimizer.add_param_group({"params": layer.parameters()})`` (plain tensors
+    are accepted beside the named groups and keep their model names;
+    docs/accelerate.md#unfreezing-layers-later).
     """
     if defaults not in ("adamw", "meta"):
         raise ValueError(f"hf_shampoo: make_optimizer defaults={defaults!r}; expected 'adamw' "
@@ -585,7 +596,12 @@ def make_optimizer(
         defaults=shampoo_kwargs,
         vocab_size=vocab_size,
     )
-    return DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+    optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+    # the names of every parameter, frozen ones too (left out of the groups): a layer
+    # unfrozen later and added by add_param_group keeps its name (progressive unfreezing)
+    optimizer._known_names = {id(p): name for name, p in
+                              model.named_parameters()}
+    return optimizer
 
 
 # ---------------------------------------------------------------------- describe

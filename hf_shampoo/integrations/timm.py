@@ -82,7 +82,9 @@ class TimmShampoo(_TimmOptimizer):
     float64 copies then move in the same direction, which Meta's ε = 1e-12 perturbation
     does not guarantee while factors are rank-deficient (timm's own test of that fails
     with it); an explicit ``epsilon > 0`` selects the perturbation (Meta's default).
-    ``foreach`` is accepted and ignored. Any other
+    Refreshes are staggered (``refresh_schedule="staggered"``: each block on its own step of
+    the ``precondition_frequency`` window, so no step waits for all of them; ``"all"`` is
+    Meta's). ``foreach`` is accepted and ignored. Any other
     ``DistributedShampoo`` keyword (``precondition_frequency=...``) passes through, and wins
     over these defaults. See ``timm_param_groups`` for ``diagonal_1d`` / ``apply_lr_scale``.
     A ``DistributedShampoo`` subclass, so timm's registry holds a real optimizer class.
@@ -101,6 +103,7 @@ class TimmShampoo(_TimmOptimizer):
         kwargs.setdefault("grafting_beta2", betas[1])
         kwargs.setdefault("grafting_epsilon", ADAMW_EPS if eps is None else eps)
         kwargs.setdefault("weight_decay_type", "decoupled")
+        kwargs.setdefault("refresh_schedule", "staggered")
 
 
 class TimmSoap(_TimmOptimizer):
@@ -109,7 +112,8 @@ class TimmSoap(_TimmOptimizer):
 
     ``eps`` is the epsilon of the corrected second moment (``epsilon``, default 1e-8); no
     grafting for preconditioned tensors. The vector-like tensors (biases, norms) take plain
-    Adam steps with the same ``betas[1]`` and ``eps``.
+    Adam steps with the same ``betas[1]`` and ``eps``. Eigenbases are refreshed staggered,
+    as ``"shampoo"``'s roots.
     """
 
     @staticmethod
@@ -120,6 +124,7 @@ class TimmSoap(_TimmOptimizer):
         kwargs.setdefault("grafting_beta2", betas[1])
         kwargs.setdefault("grafting_epsilon", eps)
         kwargs.setdefault("weight_decay_type", "decoupled")
+        kwargs.setdefault("refresh_schedule", "staggered")
 
 
 class TimmKLShampoo(TimmShampoo):

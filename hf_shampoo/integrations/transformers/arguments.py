@@ -50,10 +50,14 @@ OPTIMIZER_NAMES = {OPTIMIZER_NAME: None, MUON_NAME: "muon"}
 # - max_preconditioner_dim=512: half the memory (8 bytes/parameter for the factors and roots
 #   instead of 16) and half the eigendecomposition cost per parameter of 1024, while hidden
 #   sizes of 768-4096 are still cut into few, large blocks.
+# - refresh_schedule="staggered": each block refreshes on its own step of the 50-step window,
+#   so no step waits for every eigendecomposition at once (optim_args "refresh_schedule=all"
+#   gives Meta's schedule).
 FINE_TUNING_DEFAULTS: dict[str, Any] = {
     "precondition_frequency": 50,
     "start_preconditioning_step": None,
     "max_preconditioner_dim": 512,
+    "refresh_schedule": "staggered",
 }
 SHAMPOO_EPSILON = 1e-12
 # Presets whose kinds keep no statistics (spectral descent and Adam): the defaults above and
