@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hf_shampoo import DistributedShampoo, quantization
 from hf_shampoo.checkpoint import load_sharded, save_sharded
-from tests.helpers import join_gloo_world
+from tests.helpers import join_gloo_world, leave_gloo_world
 
 SHAPES = [(10, 3, 3, 3), (40, 20), (7,), (5, 4), ()]
 
@@ -341,8 +341,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
     results["ddp"] = _ddp_scenario(rank, world)
     results["accelerate"] = _accelerate_scenario(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo_world()
 
 
 def ddp_one_process(world: int) -> list[torch.Tensor]:

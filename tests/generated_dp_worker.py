@@ -23,6 +23,7 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.checkpoint import consolidate_checkpoint, load_sharded, save_sharded
 from tests import layout_cases as lc
 from tests.distributed_worker import after_step, before_step, small_factors_quantized
+from tests.helpers import leave_gloo_world
 
 #: how long a rank waits in a collective of the world group before it gives up (a case
 #: whose ranks disagree must not hang the test; subgroups keep torch's default)
@@ -409,5 +410,4 @@ def run_world(rank: int, world: int, init_file: str, jobs_file: str, out_dir: st
         results["cases"][f"{job}:{case_id}"] = failures
     results["running"] = None
     torch.save(results, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo_world()

@@ -26,6 +26,7 @@ from torch import nn
 from hf_shampoo import DistributedShampoo
 from tests import distributed_worker as ddp_worker
 from tests import layout_cases as lc
+from tests.helpers import leave_gloo_world
 
 #: seconds a rank waits in one collective before the case fails (a hang is a failure)
 COLLECTIVE_TIMEOUT = 60
@@ -384,5 +385,4 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, cases: list[d
         if "error" in result:
             break  # the ranks may no longer agree on what comes next
         dist.barrier()
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo_world()

@@ -200,13 +200,16 @@ def join_gloo_world(rank: int, world: int, init_file: str) -> None:
                                          rank=rank, world_size=world)
 
 
-def leave_gloo_world() -> None:
-    """What an ``mp.spawn``ed test rank does last, after writing its results: wait for the
-    others, destroy the groups, and exit at once. Interpreter finalization is skipped: a
-    rank that had written its results was once aborted there ("terminate called without an
-    active exception", gloo's threads at exit; tests/test_metrics.py in CI), which fails
-    the test although nothing in it failed."""
-    torch.distributed.barrier()
+def leave_gloo_world(barrier: bool = True) -> None:
+    """What a spawned test rank does last, after writing its results: wait for the others
+    (unless ``barrier=False``: a worker whose ranks may stop at different points), destroy
+    the groups, and exit at once. Interpreter finalization is skipped: ranks that had
+    written their results were aborted there under load ("terminate called without an
+    active exception", gloo's threads at exit; tests/test_metrics.py and
+    tests/test_moe_experts.py in CI runs), which fails a test although nothing in it
+    failed."""
+    if barrier:
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

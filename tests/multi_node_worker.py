@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests import distributed_worker as ddp_worker  # noqa: E402
 from tests import sharded_worker  # noqa: E402
+from tests.helpers import leave_gloo_world  # noqa: E402
 
 # a spread of kinds: Shampoo, 4-bit eigenvalue-corrected, Muon with Adam vectors,
 # schedule-free SOAP, bf16 communication (close to one process, not equal)
@@ -81,8 +82,7 @@ def main(out_dir: str) -> None:
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    leave_gloo_world()  # no rank tears gloo down while another still talks to it
 
 
 if __name__ == "__main__":

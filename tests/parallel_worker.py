@@ -31,7 +31,7 @@ from hf_shampoo.checkpoint import save_sharded
 from hf_shampoo.distributors.placements import mesh_boxes
 from tests import distributed_worker as ddp_worker
 from tests import sharded_worker
-from tests.helpers import join_gloo_world
+from tests.helpers import join_gloo_world, leave_gloo_world
 
 # the sharded scenarios' parameters, plus a fused-experts weight (4 experts of 6 x 5)
 SHAPES = [*sharded_worker.SHAPES, (4, 6, 5)]
@@ -264,5 +264,4 @@ def run_world(rank: int, layout: str, init_file: str, out_dir: str,
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo_world()

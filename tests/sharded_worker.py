@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from hf_shampoo import DistributedShampoo
 from tests import distributed_worker as ddp_worker
-from tests.helpers import join_gloo_world
+from tests.helpers import join_gloo_world, leave_gloo_world
 
 # rows not divisible by 2, 3 or 4; (40, 20) has blocks that span shards; (2, 5) leaves a
 # rank of a 3-way mesh without rows; (3,) stays a plain (replicated) parameter; (6, 2) is
@@ -305,5 +305,4 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, resume_dir: s
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo_world()

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from hf_shampoo import DistributedShampoo, stages
-from tests.helpers import TEST_DEVICE, assert_bitwise, join_gloo_world
+from tests.helpers import TEST_DEVICE, assert_bitwise, join_gloo_world, leave_gloo_world
 
 MUON = dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.95**2,
             use_bias_correction=False, weight_decay=0.1,
@@ -167,8 +167,7 @@ def _ddp_worker(rank, world, init_file, out_dir, set_to_none):
         if not set_to_none:
             assert all(p.grad is g for p, g in zip(model.parameters(), first))
     torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_gloo_world()
 
 
 @pytest.mark.distributed

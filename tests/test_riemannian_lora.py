@@ -18,7 +18,7 @@ from torch import nn
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import describe, describe_rows, make_optimizer
 from hf_shampoo.preconditioners.riemannian_lora import adapter_side
-from tests.helpers import assert_bitwise, join_gloo_world, one_thread_per_process
+from tests.helpers import assert_bitwise, join_gloo_world, leave_gloo_world, one_thread_per_process
 
 pytestmark = pytest.mark.integrations
 torch.set_num_threads(1)  # the one-process references as the one-thread ranks compute them
@@ -212,8 +212,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
     if rank == 0:
         result["state_dict"] = opt.state_dict()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()  # leave together: a rank leaving early was seen to abort the other
-    torch.distributed.destroy_process_group()
+    leave_gloo_world()  # together: a rank leaving early was seen to abort the other
 
 
 def test_ddp_bit_identical_and_pairs_split_over_owners():
