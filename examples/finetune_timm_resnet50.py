@@ -24,6 +24,7 @@ Launch (every rank runs this file; the blocks are spread over the ranks):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -70,10 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-preconditioning-step", type=int, default=None,
                    help="default: --precondition-frequency")
     p.add_argument("--max-preconditioner-dim", type=int, default=1024)
+    p.add_argument("--refresh-schedule", choices=["staggered", "all"], default=None,
+                   help="Shampoo/SOAP refresh schedule (default: timm factory's, staggered)")
     p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
     p.add_argument("--cpu", action="store_true", help="force CPU (automatic without CUDA)")
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-times", default=None,
+                   help="write rank 0's per-step times (JSON: step, optimizer step) here")
     return p.parse_args(argv)
 
 
@@ -219,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             "start_preconditioning_step": args.start_preconditioning_step,
             "max_preconditioner_dim": args.max_preconditioner_dim,
         }
+        if args.refresh_schedule is not None:
+            shampoo_kwargs["refresh_schedule"] = args.refresh_schedule
     optimizer = create_optimizer_v2(
         model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
         layer_decay=args.layer_decay, **shampoo_kwargs,
@@ -303,6 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"step time (forward+backward+optimizer): mean {_ms(rest)} after the first step "
           f"(first {1e3 * step_s[0]:.0f} ms)")
     print(slowest_step(step_s))
+    if args.step_times:
+        with open(args.step_times, "w") as f:
+            json.dump({"step_s": step_s, "optimizer_step_s": opt_s}, f)
     line = f"optimizer.step time: mean {_ms(opt_s)}"
     if refresh:
         line += f"; refresh steps {_ms(refresh)} ({len(refresh)}x), other steps {_ms(other)}"
