@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import linalg
 from ..keywords import Keyword, boolean, fail, integer
-from ..kronecker import unfold
+from ..kronecker import _bmm, unfold
 from ..stages import Scratch, second_moment_bias
 from .shampoo import Shampoo
 
@@ -255,9 +255,10 @@ def low_rank_mode_product(x: Tensor, basis: Tensor, inverse: Tensor, tail: Tenso
     ``τ X + U diag(v − τ) Uᵀ X`` (never a ``d × d`` matrix)."""
     n = x.shape[0]
     columns = unfold(x, dim)  # (n, d, m)
-    projected = torch.bmm(basis.mT, columns)  # (n, k, m)
+    # _bmm: one-column products (1-D blocks) rounded alike for any stack size
+    projected = _bmm(basis.mT, columns)  # (n, k, m)
     projected.mul_((inverse - tail.unsqueeze(1)).unsqueeze(2))
-    result = torch.baddbmm(columns * tail.view(n, 1, 1), basis, projected)
+    result = _bmm(basis, projected).add_(columns * tail.view(n, 1, 1))
     if x.dim() == 2:
         return result.squeeze(-1)
     moved_shape = list(x.movedim(dim + 1, 1).shape)
