@@ -212,9 +212,9 @@ def frequent_directions(basis: Tensor, values: Tensor, mass: Tensor, x: Tensor,
     sketch = basis * (values * decay).unsqueeze(1)
     columns = x if weight == 1.0 else x * math.sqrt(weight)
     stacked = torch.cat([sketch, columns.to(sketch.dtype)], dim=2)  # (n, d, k + m)
-    ok = linalg.finite_rows(stacked)
-    if not bool(ok.all()):
-        stacked = torch.where(ok.view(n, 1, 1), stacked, torch.zeros_like(stacked))
+    # without a host sync: non-finite rows decompose zeros and come out NaN
+    ok = torch.isfinite(stacked).flatten(1).all(dim=1).view(n, 1, 1)
+    stacked = torch.where(ok, stacked, torch.zeros_like(stacked))
     u, s, _ = torch.linalg.svd(stacked, full_matrices=False)  # u (n, d, r), r >= k
     top = s[:, :k].clamp(min=0)
     cutoff = s[:, k].clamp(min=0) if s.shape[1] > k else torch.zeros_like(s[:, 0])
@@ -224,10 +224,9 @@ def frequent_directions(basis: Tensor, values: Tensor, mass: Tensor, x: Tensor,
     new_basis = u[:, :, :k] * mask.unsqueeze(1)
     new_values = deflated * mask
     new_mass = mass * decay + cutoff.square()
-    if not bool(ok.all()):
-        bad = ~ok
-        new_basis[bad], new_values[bad], new_mass[bad] = math.nan, math.nan, math.nan
-    return new_basis, new_values, new_mass
+    nan = torch.full((), math.nan, dtype=new_basis.dtype, device=new_basis.device)
+    return (torch.where(ok, new_basis, nan), torch.where(ok.view(n, 1), new_values, nan),
+            torch.where(ok.view(n), new_mass, nan))
 
 
 def low_rank_root(values: Tensor, mass: Tensor, bias2: float, epsilon: float, relative: bool,
