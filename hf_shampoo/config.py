@@ -142,7 +142,9 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             "algorithm, `eigendecomposition=\"qr\"`; with eigh and no tolerance they are "
             "`\"shampoo\"` / `\"kl_shampoo\"`. Meta's QR sorts the basis by ascending "
             "eigenvalue after each refresh, which keeps one QR step per refresh from "
-            "converging across refreshes: give it `qr_max_iterations` or a tolerance)")),
+            "converging across refreshes: give it `qr_max_iterations` or a tolerance); "
+            "`\"sketchy\"` (Shampoo with rank-`sketch_rank` Frequent-Directions sketches of "
+            "the large dims' factors, arXiv 2302.03764; see [Sketchy](sketchy.md))")),
     Keyword("grafting", None, str, choice(None, "sgd", "adagrad", "rmsprop", "adam"),
             scope=scoped('layout'), doc=(
             "`None`, `\"sgd\"`, `\"adagrad\"`, `\"rmsprop\"` or `\"adam\"`: whose per-block step "

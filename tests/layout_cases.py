@@ -56,6 +56,8 @@ KINDS: dict[str, dict[str, Any]] = {
                                    epsilon=1e-6, root_inverse="coupled_higher_order",
                                    root_rel_epsilon=1e-3),
     "compiled": dict(grafting="adam", momentum=0.5, compile={"backend": "aot_eager"}),
+    "sketchy": dict(preconditioner="sketchy", grafting="adam", sketch_rank=3,
+                    sketch_threshold=4),
 }
 #: kinds drawn rarely (each costs seconds per rank: a compile)
 RARE = {"compiled": 0.1}

@@ -42,6 +42,8 @@ KINDS = {
         quantization="4bit", statistics_frequency=1, refresh_schedule="staggered"),
     "shampoo, schedule-free": dict(iterate_averaging="schedule_free", momentum=0.0),
     "shampoo, gpa": dict(iterate_averaging="gpa"),
+    "sketchy, staggered": dict(preconditioner="sketchy", sketch_rank=2, sketch_threshold=3,
+                               refresh_schedule="staggered"),
 }
 
 

@@ -39,6 +39,7 @@ KINDS = {
     "eigenvalue_corrected, 4bit": dict(preconditioner="eigenvalue_corrected", grafting=None,
                                        epsilon=1e-8, quantization="4bit",
                                        statistics_frequency=4),
+    "sketchy": dict(preconditioner="sketchy", sketch_rank=2, sketch_threshold=3),
 }
 
 

@@ -22,12 +22,13 @@ from .quantized import (
 from .riemannian_lora import RiemannianLoRA
 from .shampoo import Shampoo
 from .sign_descent import SignDescent
+from .sketchy import Sketchy
 from .spectral_descent import SpectralDescent
 
 KINDS: dict[str, Preconditioner] = {
     kind.name: kind for kind in (Shampoo(), EigenvalueCorrected(), Diagonal(), KLShampoo(),
                                  SpectralDescent(), SignDescent(), EigendecomposedShampoo(),
-                                 EigendecomposedKLShampoo(), RiemannianLoRA())
+                                 EigendecomposedKLShampoo(), RiemannianLoRA(), Sketchy())
 }
 # quantization="4bit": the kinds that keep their factors in 4 bits (the others have none)
 QUANTIZED_KINDS: dict[str, Preconditioner] = {
