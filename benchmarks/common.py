@@ -22,7 +22,12 @@ import torch
 
 from hf_shampoo import DistributedShampoo, eigenbasis
 from hf_shampoo.blocking import ParamBlocking
-from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment
+from hf_shampoo.distributors import (
+    SingleProcessDistributor,
+    block_cost,
+    greedy_assignment,
+    staggered_assignment,
+)
 from hf_shampoo.distributors.fsdp import ShardedDistributor
 from hf_shampoo.distributors.placements import chunk_boxes
 from hf_shampoo.stack import BlockRef, BlockStack
@@ -231,9 +236,12 @@ class SimulatedRank(SingleProcessDistributor):
         self.world_size, self.rank, self.assignment_cost = world, rank, assignment_cost
         self.segment_numel = 0
 
-    def assign(self, blocks, block_shapes, costs=None):
+    def assign(self, blocks, block_shapes, costs=None, slots=None):
         if costs is None:
             costs = [block_cost(s, self.assignment_cost) for s in block_shapes]
+        if slots is not None and any(s is not None for s in slots):
+            work = [float(sum(d**3 for d in shape)) for shape in block_shapes]
+            return staggered_assignment(costs, slots, work, self.world_size)
         return greedy_assignment(costs, self.world_size)
 
     def allocate_directions(self, stacks) -> None:
@@ -255,7 +263,7 @@ class SimulatedOwner(SingleProcessDistributor):
         super().__init__()
         self.world_size, self.rank = world, rank
 
-    def assign(self, blocks, block_shapes, costs=None):
+    def assign(self, blocks, block_shapes, costs=None, slots=None):
         return simulated_sharded(self.world_size).assign(blocks, block_shapes, costs)
 
 

@@ -42,7 +42,7 @@ class ShapeCosted:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def assign(self, blocks, block_shapes, costs=None):
+    def assign(self, blocks, block_shapes, costs=None, slots=None):
         rule = self.inner.assignment_cost
         return self.inner.assign(blocks, block_shapes,
                                  [block_cost(s, rule) for s in block_shapes])

@@ -352,7 +352,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             priced[kind] = probe.assignment_cost(probe.settings(self.param_groups), cost)
         costs = [priced[k] for k in kinds]
         plan = self._planned(plan, blocks, kinds, costs)
-        owners = self._distributor.assign(blocks, shapes, costs)
+        slots = self._refresh_slots(blocks, shapes, kinds)
+        owners = self._distributor.assign(blocks, shapes, costs, slots=slots) \
+            if slots is not None else self._distributor.assign(blocks, shapes, costs)
         stacks: dict[tuple, BlockStack] = {}
         for block, owner, kind in zip(blocks, owners, kinds):
             key = (owner, *kind)
@@ -361,6 +363,27 @@ class DistributedShampoo(torch.optim.Optimizer):
                                          overrides=dict(kind[4]))
             stacks[key].members.append(block)
         return sorted(stacks.values(), key=lambda s: s.rank), plan
+
+    def _refresh_slots(self, blocks: list[BlockRef], shapes: list[tuple[int, ...]],
+                       kinds: list[tuple]) -> list[int | None] | None:
+        """Each block's staggered refresh offset as ``pipeline.assign_refresh_offsets`` will
+        give it (for the owners to balance each step's refreshes; docs/performance.md),
+        ``None`` for blocks that refresh with every block or never; ``None`` if none is
+        staggered."""
+        slots: list[int | None] = [None] * len(blocks)
+        by_group: dict[int, list[int]] = {}
+        for i, (block, kind) in enumerate(zip(blocks, kinds)):
+            group = self.param_groups[block.group_index]
+            settings = ChainMap(dict(kind[4]), group) if kind[4] else group
+            if settings["refresh_schedule"] == "staggered" and kind_of(settings).refreshes:
+                by_group.setdefault(block.group_index, []).append(i)
+        for gi, members in by_group.items():
+            members.sort(key=lambda i: (blocks[i].param_index, blocks[i].block_index))
+            offsets = pipeline.staggered_offsets([shapes[i] for i in members],
+                                                 self.param_groups[gi]["precondition_frequency"])
+            for i, offset in zip(members, offsets):
+                slots[i] = offset
+        return slots if by_group else None
 
     def _planned(self, plan: agreement.Plan, blocks: list[BlockRef], kinds: list[tuple],
                  costs: list[float]) -> agreement.Plan:

@@ -181,11 +181,25 @@ def assign_refresh_offsets(layout: Layout, groups: list[dict],
                         for i, b in enumerate(s.members))
         if key[0] != "staggered" or not blocks:
             continue
-        costs = [float(sum(d**3 for d in s.shape)) for _, _, s, _ in blocks]
-        # with more offsets than blocks, LPT gives each block its own: only n are used
-        slots = greedy_assignment(costs, min(key[1], len(blocks)))
+        slots = staggered_offsets([s.shape for _, _, s, _ in blocks], key[1])
         for (_, _, s, i), slot in zip(blocks, slots):
             s.refresh_offsets[i] = slot
+
+
+def staggered_offsets(shapes: list[tuple[int, ...]], frequency: int) -> list[int]:
+    """The staggered offsets of a group's refreshing blocks, given in (parameter index,
+    block index) order: heaviest first (``Σ d³``), each to the least-loaded of the
+    ``frequency`` offsets (with more offsets than blocks, LPT gives each block its own)."""
+    if not shapes:
+        return []
+    return greedy_assignment([refresh_work(shape) for shape in shapes],
+                             min(frequency, len(shapes)))
+
+
+def refresh_work(shape: tuple[int, ...]) -> float:
+    """What a block's refresh costs, for spreading refreshes: ``Σ d³`` (its
+    eigendecompositions)."""
+    return float(sum(d**3 for d in shape))
 
 
 

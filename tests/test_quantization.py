@@ -367,7 +367,7 @@ def test_a_rows_first_decomposition_does_not_depend_on_its_stack(monkeypatch):
             super().__init__()
             self.world_size, self.rank = world, rank
 
-        def assign(self, blocks, block_shapes, costs=None):
+        def assign(self, blocks, block_shapes, costs=None, slots=None):
             return greedy_assignment([block_cost(s) for s in block_shapes], self.world_size)
 
     monkeypatch.setattr(quantization, "MIN_QUANTIZED_ELEMENTS", 16)

@@ -47,6 +47,40 @@ def greedy_assignment(costs: Sequence[float], num_ranks: int) -> list[int]:
     return owners
 
 
+#: how far above the mean cost a rank may be loaded to balance each step's refreshes
+STAGGERED_SLACK = 0.05
+
+
+def staggered_assignment(costs: Sequence[float], slots: Sequence[int | None],
+                         work: Sequence[float], num_ranks: int) -> list[int]:
+    """Owners for staggered refreshes: a step waits for the rank with the most refresh work
+    at that step's offset, so the blocks of each offset (``slots[i]``; ``None`` for a block
+    that never refreshes) are spread over the ranks by their refresh ``work``, heaviest
+    first, each to the rank with the least work at its offset among those it leaves
+    within ``STAGGERED_SLACK`` of the mean total ``costs`` (all ranks if none; ties: the
+    least total, then the lowest rank); the blocks without an offset then go, heaviest
+    first, to the least-loaded rank by ``costs``. Owners only decide where a block is
+    computed, never its numbers. Deterministic, identical everywhere."""
+    owners = [0] * len(costs)
+    total = [0.0] * num_ranks
+    capacity = (1.0 + STAGGERED_SLACK) * sum(costs) / num_ranks
+    at: dict[int, list[float]] = {}
+    timed = sorted((i for i, s in enumerate(slots) if s is not None),
+                   key=lambda i: (-work[i], -costs[i], i))
+    for i in timed:
+        loads = at.setdefault(slots[i], [0.0] * num_ranks)
+        fits = [r for r in range(num_ranks) if total[r] + costs[i] <= capacity]
+        rank = min(fits or range(num_ranks), key=lambda r: (loads[r], total[r], r))
+        owners[i] = rank
+        loads[rank] += work[i]
+        total[rank] += costs[i]
+    for i in sorted((i for i, s in enumerate(slots) if s is None), key=lambda i: (-costs[i], i)):
+        rank = min(range(num_ranks), key=lambda r: (total[r], r))
+        owners[i] = rank
+        total[rank] += costs[i]
+    return owners
+
+
 #: in ``active_members``' list of non-finite gradients: another rank found one
 OTHER_RANK = -1
 
@@ -111,10 +145,13 @@ class Distributor:
         return tuple(self.local(param).shape)
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
-               costs: Sequence[float] | None = None) -> list[int]:
+               costs: Sequence[float] | None = None,
+               slots: Sequence[int | None] | None = None) -> list[int]:
         """The owning rank (within this distributor's group) of every block; ``costs``
         (what each block costs its owner, ``BlockStack.assignment_cost``) balance the
-        ranks, ``block_cost`` of the shape where not given."""
+        ranks, ``block_cost`` of the shape where not given. ``slots``: each block's
+        staggered refresh offset (``None``: it never refreshes, or refreshes with every
+        block), for a distributor that balances each step's refreshes too."""
         raise NotImplementedError
 
     def allocate_directions(self, stacks) -> None:

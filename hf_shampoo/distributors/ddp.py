@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Distributor, apply_directions, block_cost, greedy_assignment, world_any
+from .base import (
+    Distributor,
+    apply_directions,
+    block_cost,
+    greedy_assignment,
+    staggered_assignment,
+    world_any,
+)
 from .groups import RankGroup
 
 
@@ -78,9 +85,13 @@ class DataParallelDistributor(Distributor):
         return self.world_size > 1
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
-               costs: Sequence[float] | None = None) -> list[int]:
+               costs: Sequence[float] | None = None,
+               slots: Sequence[int | None] | None = None) -> list[int]:
         if costs is None:
             costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
+        if slots is not None and any(s is not None for s in slots):
+            work = [float(sum(d**3 for d in shape)) for shape in block_shapes]
+            return staggered_assignment(costs, slots, work, self.world_size)
         return greedy_assignment(costs, self.world_size)
 
     def allocate_directions(self, stacks) -> None:

@@ -287,7 +287,8 @@ class ShardedDistributor(Distributor):
         return cut.ranks[position % len(cut.ranks)]
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
-               costs: Sequence[float] | None = None) -> list[int]:
+               costs: Sequence[float] | None = None,
+               slots: Sequence[int | None] | None = None) -> list[int]:
         """Greedy, heaviest block first: the least-loaded rank among those holding most of
         the block, unless that would load it beyond ``(1 + balance_slack)`` times the
         average; then the least-loaded rank of all. Deterministic everywhere."""

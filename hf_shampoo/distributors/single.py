@@ -11,7 +11,8 @@ class SingleProcessDistributor(Distributor):
     """Every block on rank 0, one direction tensor per stack, no collective."""
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
-               costs: Sequence[float] | None = None) -> list[int]:
+               costs: Sequence[float] | None = None,
+               slots: Sequence[int | None] | None = None) -> list[int]:
         return [0] * len(block_shapes)
 
     def allocate_directions(self, stacks) -> None:
