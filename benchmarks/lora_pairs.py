@@ -42,6 +42,17 @@ NEW = {
         "shampoo_modules", dict(RIEMANN, grafting="sgd"), lrs=(0.1, 0.3, 1.0),
         tasks=("lora", "vit"), default=False),
 }
+# Sketchy on the adapters (docs/sketchy.md): each adapter's long side a rank-k
+# Frequent-Directions sketch, the short side (r = 4 <= the threshold) a full factor; the
+# other parameters as the module rules give them; Meta's refresh schedule, as the other rows
+SKETCH_THRESHOLD = 8
+for rank in (2, 4, 8):
+    NEW[f"Sketchy adapters (long side rank {rank})"] = Optimizer(
+        "shampoo_modules", dict(SHAMPOO, refresh_schedule="all", overrides={"*lora_*": {
+            "preconditioner": "sketchy", "sketch_rank": rank,
+            "sketch_threshold": SKETCH_THRESHOLD, "diagonal_aspect": None,
+            "epsilon": 1e-7}}),  # the reference's (relative) epsilon
+        tasks=("lora", "vit"), default=False)
 COMPARED = ("AdamW", "Shampoo (Adam grafting)", "Shampoo (Adam grafting, module rules)",
             "SOAP (eigenvalue-corrected)")
 for name in COMPARED:  # the ablation's optimizers, on the ViT task as well
