@@ -570,8 +570,9 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
     """``memory="sketch"``: the groups of ``param_groups`` (over the optimizer-level
     ``defaults``) with every Shampoo group turned into ``preconditioner="sketchy"``
     (docs/sketchy.md). A Shampoo group whose long side is already diagonal
-    (``diagonal_aspect``: the presets' rule for LoRA adapters) keeps Shampoo, since its
-    factors are ``r × r`` and a diagonal, less than a sketch; the kinds without Kronecker
+    (``diagonal_aspect``: the presets' rule for LoRA adapters and matrices whose long side is
+    at least ``ADAPTER_ASPECT`` times the short one) keeps Shampoo, since its factors are a
+    small full one and a diagonal, less than a sketch; the kinds without Kronecker
     factors (``diagonal``, ``spectral_descent``, ``sign_descent``, ``riemannian_lora``)
     keep theirs. The other Kronecker-factored kinds (``eigenvalue_corrected``,
     ``kl_shampoo``, the eigendecomposed ones) have no sketched form and 4-bit factors
@@ -634,7 +635,8 @@ def make_optimizer(
     than ``sketch_threshold``; ``sketch_rank`` / ``sketch_threshold`` /
     ``sketch_relative_epsilon`` pass through as keywords; docs/sketchy.md). Groups of other
     kinds keep theirs (Adam / ``diagonal``, spectral descent, ``riemannian_lora``), and so
-    do LoRA adapters, whose long side the presets keep diagonal; ``eigenvalue_corrected``,
+    do LoRA adapters and adapter-like matrices, whose long side the presets keep diagonal
+    (``diagonal_aspect``: less than a sketch); ``eigenvalue_corrected``,
     the KL and eigendecomposed kinds and ``quantization="4bit"`` are refused
     (``sketch_groups``).
     """
