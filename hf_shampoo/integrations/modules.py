@@ -577,6 +577,8 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
     keep theirs. The other Kronecker-factored kinds (``eigenvalue_corrected``,
     ``kl_shampoo``, the eigendecomposed ones) have no sketched form and 4-bit factors
     are another way to store them: both are refused with a ``ValueError``."""
+    # the kinds with a sketched form, and that form (the kinds say: ``Sketchy.sketches``)
+    sketched = {kind.sketches: name for name, kind in KINDS.items() if kind.sketches}
     base = {**DEFAULTS, **defaults}
     out = []
     for group in groups:
@@ -585,18 +587,19 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
         params = list(group.get("params", []))
         names = [p[0] for p in params[:3] if isinstance(p, tuple)]
         where = f" (for {', '.join(names)}{', ...' if len(params) > 3 else ''})" if names else ""
-        if kind == "shampoo" and effective.get("quantization") is not None:
+        if kind in sketched and effective.get("quantization") is not None:
             raise ValueError(
                 f"hf_shampoo: make_optimizer memory='sketch' with quantization="
                 f"{effective['quantization']!r}{where}: two ways to store the same factors; "
                 "choose one (memory='full' keeps 4-bit factors)")
-        if kind == "shampoo" and effective.get("diagonal_aspect") is None:
-            group = {**group, "preconditioner": "sketchy"}
-        elif kind not in ("shampoo", "sketchy") and KINDS[kind].statistics:
+        if kind in sketched and effective.get("diagonal_aspect") is None:
+            group = {**group, "preconditioner": sketched[kind]}
+        elif kind not in sketched and KINDS[kind].statistics and not KINDS[kind].sketches:
+            forms = ", ".join(f"{k!r} → {v!r}" for k, v in sketched.items())
             raise ValueError(
                 f"hf_shampoo: make_optimizer memory='sketch' with preconditioner={kind!r}"
-                f"{where}: only Shampoo's factors have a sketched form "
-                "(preconditioner='sketchy'); use memory='full' for this kind")
+                f"{where}: this kind's factors have no sketched form (those that have: "
+                f"{forms}); use memory='full' for it")
         out.append(group)
     return out
 
