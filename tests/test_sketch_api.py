@@ -133,6 +133,7 @@ def test_bad_memory_is_refused_before_anything_is_built(monkeypatch):
                                                  "'eigenvalue_corrected'"),
     ({"preconditioner": "kl_shampoo"}, "memory='sketch' with preconditioner='kl_shampoo'"),
     ({"quantization": "4bit"}, "memory='sketch' with quantization='4bit'"),
+    ({"diagonal_aspect": 16.0}, "memory='sketch' with diagonal_aspect=16.0 for the whole model"),
 ])
 def test_kinds_without_a_sketched_form_are_refused(keywords, message):
     with pytest.raises(ValueError, match=message):
@@ -143,6 +144,14 @@ def test_a_keyword_sketchy_refuses_says_memory_made_it_sketchy():
     with pytest.raises(ValueError, match=r"root_inverse.*memory='sketch' makes the Shampoo "
                                          r"groups preconditioner='sketchy'"):
         make_optimizer(tiny_gpt2(), lr=1e-3, memory="sketch", root_inverse="newton")
+
+
+def test_an_override_that_keeps_a_long_side_diagonal_keeps_shampoo():
+    optimizer = make_optimizer(tiny_gpt2(), lr=1e-3, memory="sketch", sketch_rank=RANK,
+                               overrides={"*.c_fc.weight": {"diagonal_aspect": 4.0}})
+    rows = labels(optimizer)
+    assert rows["transformer.h.0.mlp.c_fc.weight"] == "shampoo (dim 1 diagonal)"
+    assert rows["transformer.h.0.mlp.c_proj.weight"].startswith("sketchy")
 
 
 def test_muon_preset_keeps_its_kinds():

@@ -569,17 +569,26 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
                   ) -> list[dict[str, Any]]:
     """``memory="sketch"``: the groups of ``param_groups`` (over the optimizer-level
     ``defaults``) with every Shampoo group turned into ``preconditioner="sketchy"``
-    (docs/sketchy.md). A Shampoo group whose long side is already diagonal
-    (``diagonal_aspect``: the presets' rule for LoRA adapters and matrices whose long side is
-    at least ``ADAPTER_ASPECT`` times the short one) keeps Shampoo, since its factors are a
-    small full one and a diagonal, less than a sketch; the kinds without Kronecker
-    factors (``diagonal``, ``spectral_descent``, ``sign_descent``, ``riemannian_lora``)
-    keep theirs. The other Kronecker-factored kinds (``eigenvalue_corrected``,
-    ``kl_shampoo``, the eigendecomposed ones) have no sketched form and 4-bit factors
-    are another way to store them: both are refused with a ``ValueError``."""
+    (docs/sketchy.md).
+
+    A Shampoo group whose long side is already diagonal keeps Shampoo, since its factors are
+    a small full one and a diagonal, less than a sketch: ``diagonal_aspect`` set by the
+    presets' rule (LoRA adapters, matrices whose long side is at least ``ADAPTER_ASPECT``
+    times the short one) or by an override; ``diagonal_aspect`` for the whole model is
+    refused, as it would leave nothing sketched. The kinds without Kronecker factors
+    (``diagonal``, ``spectral_descent``, ``sign_descent``, ``riemannian_lora``) keep theirs.
+    The other Kronecker-factored kinds (``eigenvalue_corrected``, ``kl_shampoo``, the
+    eigendecomposed ones) have no sketched form and 4-bit factors are another way to store
+    Shampoo's: both are refused with a ``ValueError``."""
     # the kinds with a sketched form, and that form (the kinds say: ``Sketchy.sketches``)
     sketched = {kind.sketches: name for name, kind in KINDS.items() if kind.sketches}
     base = {**DEFAULTS, **defaults}
+    if base.get("diagonal_aspect") is not None:  # every group would keep Shampoo: say so
+        raise ValueError(
+            f"hf_shampoo: make_optimizer memory='sketch' with diagonal_aspect="
+            f"{base['diagonal_aspect']!r} for the whole model: a group whose long side is kept "
+            "diagonal keeps Shampoo, so nothing would be sketched; leave diagonal_aspect to "
+            "the presets' rule (LoRA adapters) or set it per pattern in overrides")
     out = []
     for group in groups:
         effective = {**base, **group}
