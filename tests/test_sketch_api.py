@@ -180,3 +180,10 @@ def test_trainer_optim_args_memory_sketch(tmp_path):
     assert kwargs["preconditioner"] == "sketchy"
     with pytest.raises(ValueError, match=r"optim_args memory='sketchy'.*did you mean 'sketch'"):
         hft.parse_optim_args("memory=sketchy")
+    # a combination memory=sketch refuses fails when the Trainer is built, before training
+    bad = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], optim="distributed_shampoo",
+        optim_args="memory=sketch,preconditioner=eigenvalue_corrected")
+    with pytest.raises(ValueError, match="memory='sketch' with preconditioner="
+                                         "'eigenvalue_corrected'"):
+        hft.validate_args(bad)

@@ -325,7 +325,9 @@ def validate_args(args: Any, model: torch.nn.Module | None = None,
             "optim_args on every comma, so write ';' there, e.g. betas=(0.9;0.999)"
         )
     parsed = parse_optim_args(text)
-    resolve_kwargs(args, parsed.kwargs, preset=chosen_preset(args, parsed, preset))
+    kwargs = resolve_kwargs(args, parsed.kwargs, preset=chosen_preset(args, parsed, preset))
+    if parsed.memory == "sketch":  # a model-wide kind or keyword memory=sketch refuses
+        sketch_groups([{}], kwargs)
     for pattern, keywords in parsed.overrides.items():
         check_override(pattern, keywords)
     if model is not None:
