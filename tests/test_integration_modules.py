@@ -198,7 +198,7 @@ def test_describe_table():
     text = describe(optimizer)
     header = text.splitlines()[0].split()
     assert header == ["name", "shape", "role", "blocks", "preconditioner", "grafting", "wd",
-                      "rank"]
+                      "rank", "state"]
     assert "transformer.wte.weight" in text and "lm_head.weight" not in text
     assert "shampoo (dim 0 off)" in text
     wte = next(r for r in describe_rows(optimizer) if r["name"] == "transformer.wte.weight")

@@ -552,6 +552,67 @@ ADAMW_DEFAULTS: dict[str, Any] = {"grafting": "adam", "betas": (0.9, 0.999),
                                   "refresh_schedule": "staggered"}
 
 
+# make_optimizer(memory=...): how the large Kronecker factors of the whole model are stored
+MEMORY = ("full", "sketch")
+
+
+def check_memory(memory: Any, where: str = "make_optimizer memory") -> None:
+    """Raise ``ValueError`` for a ``memory`` value that is not one of ``MEMORY``."""
+    if memory not in MEMORY:
+        raise ValueError(f"hf_shampoo: {where}={memory!r}; expected 'full' (d × d factors, "
+                         f"the default) or 'sketch' (Shampoo's large factors as rank-k "
+                         f"Frequent-Directions sketches: preconditioner='sketchy')"
+                         f"{did_you_mean(str(memory), MEMORY)}")
+
+
+def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
+                  ) -> list[dict[str, Any]]:
+    """``memory="sketch"``: the groups of ``param_groups`` (over the optimizer-level
+    ``defaults``) with every Shampoo group turned into ``preconditioner="sketchy"``
+    (docs/sketchy.md).
+
+    A Shampoo group whose long side is already diagonal keeps Shampoo, since its factors are
+    a small full one and a diagonal, less than a sketch: ``diagonal_aspect`` set by the
+    presets' rule (LoRA adapters, matrices whose long side is at least ``ADAPTER_ASPECT``
+    times the short one) or by an override; ``diagonal_aspect`` for the whole model is
+    refused, as it would leave nothing sketched. The kinds without Kronecker factors
+    (``diagonal``, ``spectral_descent``, ``sign_descent``, ``riemannian_lora``) keep theirs.
+    The other Kronecker-factored kinds (``eigenvalue_corrected``, ``kl_shampoo``, the
+    eigendecomposed ones) have no sketched form and 4-bit factors are another way to store
+    Shampoo's: both are refused with a ``ValueError``."""
+    # the kinds with a sketched form, and that form (the kinds say: ``Sketchy.sketches``)
+    sketched = {kind.sketches: name for name, kind in KINDS.items() if kind.sketches}
+    base = {**DEFAULTS, **defaults}
+    if base.get("diagonal_aspect") is not None:  # every group would keep Shampoo: say so
+        raise ValueError(
+            f"hf_shampoo: make_optimizer memory='sketch' with diagonal_aspect="
+            f"{base['diagonal_aspect']!r} for the whole model: a group whose long side is kept "
+            "diagonal keeps Shampoo, so nothing would be sketched; leave diagonal_aspect to "
+            "the presets' rule (LoRA adapters) or set it per pattern in overrides")
+    out = []
+    for group in groups:
+        effective = {**base, **group}
+        kind = effective["preconditioner"]
+        params = list(group.get("params", []))
+        names = [p[0] for p in params[:3] if isinstance(p, tuple)]
+        where = f" (for {', '.join(names)}{', ...' if len(params) > 3 else ''})" if names else ""
+        if kind in sketched and effective.get("quantization") is not None:
+            raise ValueError(
+                f"hf_shampoo: make_optimizer memory='sketch' with quantization="
+                f"{effective['quantization']!r}{where}: two ways to store the same factors; "
+                "choose one (memory='full' keeps 4-bit factors)")
+        if kind in sketched and effective.get("diagonal_aspect") is None:
+            group = {**group, "preconditioner": sketched[kind]}
+        elif kind not in sketched and KINDS[kind].statistics and not KINDS[kind].sketches:
+            forms = ", ".join(f"{k!r} → {v!r}" for k, v in sketched.items())
+            raise ValueError(
+                f"hf_shampoo: make_optimizer memory='sketch' with preconditioner={kind!r}"
+                f"{where}: this kind's factors have no sketched form (those that have: "
+                f"{forms}); use memory='full' for it")
+        out.append(group)
+    return out
+
+
 def make_optimizer(
     model: nn.Module,
     preset: str | Preset = "transformer",
@@ -560,6 +621,7 @@ def make_optimizer(
     decay_parameter_names: Iterable[str] | None = None,
     vocab_size: int | None = None,
     defaults: str = "adamw",
+    memory: str = "full",
     **shampoo_kwargs: Any,
 ) -> DistributedShampoo:
     """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in docs/design.md §7.
@@ -578,7 +640,19 @@ def make_optimizer(
     documents: ``optimizer.add_param_group({"params": layer.parameters()})`` (plain tensors
     are accepted beside the named groups and keep their model names;
     docs/accelerate.md#unfreezing-layers-later).
+
+    ``memory`` chooses how the large factors of the whole model are stored: ``"full"`` (the
+    default) keeps ``d × d`` factors; ``"sketch"`` turns every Shampoo group into
+    ``preconditioner="sketchy"`` (rank-``k`` Frequent-Directions sketches of the dims larger
+    than ``sketch_threshold``; ``sketch_rank`` / ``sketch_threshold`` /
+    ``sketch_relative_epsilon`` pass through as keywords; docs/sketchy.md). Groups of other
+    kinds keep theirs (Adam / ``diagonal``, spectral descent, ``riemannian_lora``), and so
+    do LoRA adapters and adapter-like matrices, whose long side the presets keep diagonal
+    (``diagonal_aspect``: less than a sketch); ``eigenvalue_corrected``,
+    the KL and eigendecomposed kinds and ``quantization="4bit"`` are refused
+    (``sketch_groups``).
     """
+    check_memory(memory)
     if defaults not in ("adamw", "meta"):
         raise ValueError(f"hf_shampoo: make_optimizer defaults={defaults!r}; expected 'adamw' "
                          f"(AdamW's learning rate) or 'meta' (Meta's defaults)"
@@ -596,7 +670,15 @@ def make_optimizer(
         defaults=shampoo_kwargs,
         vocab_size=vocab_size,
     )
-    optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+    if memory == "sketch":
+        groups = sketch_groups(groups, shampoo_kwargs)
+        try:
+            optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+        except ValueError as error:  # a keyword sketchy refuses, which the user did not name
+            raise ValueError(f"{error} (make_optimizer memory='sketch' makes the Shampoo "
+                             "groups preconditioner='sketchy')") from None
+    else:
+        optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
     # the names of every parameter, frozen ones too (left out of the groups): a layer
     # unfrozen later and added by add_param_group keeps its name (progressive unfreezing)
     optimizer._known_names = {id(p): name for name, p in
@@ -618,6 +700,14 @@ def _preconditioner_label(group: Mapping[str, Any], shape: tuple[int, ...],
             label += f" (dim {','.join(off)} off)"
     if kind.diagonal_factors and (diagonal := diagonal_dims(tuple(shape), group)):
         label += f" (dim {diagonal[0]} diagonal)"
+    sketched_dims = getattr(kind, "sketched_dims", None)
+    if sketched_dims is not None:  # sketchy: the rank of each sketched dim
+        ranks: dict[int, list[str]] = {}
+        for j in sketched_dims(tuple(shape), group):
+            ranks.setdefault(kind.rank(group, shape[j]), []).append(str(j))
+        label += " (" + (", ".join(f"rank {r} on dim{'s' if len(dims) > 1 else ''} "
+                                   f"{','.join(dims)}" for r, dims in ranks.items())
+                         or "no dim sketched") + ")"
     return label
 
 
@@ -635,10 +725,12 @@ def role_of(param: Tensor) -> str:
 
 def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
     """One row per parameter: name, shape, role (the module rules', "-" for groups built
-    without them), blocks, preconditioner, grafting, weight decay,
-    owning rank(s), and ``experts`` (the number of experts of a parameter blocked per expert,
-    ``experts=True``; else 0). Built from ``optimizer.describe_blocks()`` and ``param_groups``; a
-    frozen parameter (``requires_grad=False``, no gradient) has no blocks and no state
+    without them), blocks, preconditioner (with the sketch rank of each sketched dim for
+    ``sketchy``; blocks that differ are joined by ``" | "``), grafting, weight decay,
+    owning rank(s), ``state_bytes`` (of its blocks, as ``describe_blocks()``), and
+    ``experts`` (the number of experts of a parameter blocked per expert, ``experts=True``;
+    else 0). Built from ``optimizer.describe_blocks()`` and ``param_groups``; a frozen
+    parameter (``requires_grad=False``, no gradient) has no blocks and no state
     (``"frozen": True``)."""
     from .accelerate import find_shampoo
 
@@ -660,26 +752,32 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
                 "role": role_of(param),
                 "block_shapes": [],
                 "ranks": set(),
-                "preconditioner": _preconditioner_label(
-                    {**group, "preconditioner": block["preconditioner"]}, block["shape"],
-                    block["name"]),
+                "labels": [],
                 "grafting": block["grafting"] or "-",
                 "weight_decay": group["weight_decay"],
+                "state_bytes": 0,
             },
         )
+        label = _preconditioner_label({**group, "preconditioner": block["preconditioner"]},
+                                      block["shape"], block["name"])
+        if label not in row["labels"]:  # blocks of other shapes may say otherwise (sketchy)
+            row["labels"].append(label)
         row["block_shapes"].append(tuple(block["shape"]))
         row["ranks"].add(block["rank"])
+        row["state_bytes"] += block["state_bytes"]
     for index, (group, param) in enumerate(owner):
         if index not in rows:  # frozen: requires_grad=False and no gradient, so no blocks
             rows[index] = {"name": shampoo.param_name(index), "shape": tuple(param.shape),
                            "role": role_of(param), "block_shapes": [], "ranks": set(),
                            "preconditioner": "-", "grafting": "-",
-                           "weight_decay": group["weight_decay"],
+                           "weight_decay": group["weight_decay"], "state_bytes": 0,
                            "frozen": True}
     out = []
     for index in sorted(rows):
         row = rows[index]
         frozen = row.setdefault("frozen", False)
+        if "labels" in row:
+            row["preconditioner"] = " | ".join(row.pop("labels"))
         group, param = owner[index]
         row["experts"] = int(param.shape[0]) if group.get("experts") and param.ndim else 0
         row["blocks"] = "frozen: no state" if frozen else _blocks_label(row["block_shapes"])
@@ -695,11 +793,13 @@ def describe_rows(optimizer: Any) -> list[dict[str, Any]]:
 
 def describe(optimizer: Any) -> str:
     """A table of every parameter: name, shape, role, blocks, preconditioner, grafting,
-    weight decay and owning rank, then the number of blocks and their elements per rank,
-    the ranks the blocks are spread over (the world, or a pipeline stage's group: its global
-    ranks; the ``rank`` column counts within it) and the state per rank."""
+    weight decay, owning rank and state (the bytes of its blocks' state), then the number of
+    blocks and their elements per rank, the ranks the blocks are spread over (the world, or
+    a pipeline stage's group: its global ranks; the ``rank`` column counts within it) and
+    the state per rank."""
     rows = describe_rows(optimizer)
-    header = ("name", "shape", "role", "blocks", "preconditioner", "grafting", "wd", "rank")
+    header = ("name", "shape", "role", "blocks", "preconditioner", "grafting", "wd", "rank",
+              "state")
     table = [header] + [
         (
             r["name"],
@@ -710,6 +810,7 @@ def describe(optimizer: Any) -> str:
             r["grafting"],
             f"{r['weight_decay']:g}",
             r["rank"],
+            _size(r["state_bytes"]),
         )
         for r in rows
     ]

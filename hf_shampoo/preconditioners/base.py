@@ -63,6 +63,9 @@ class Preconditioner:
     coupled_roots: bool = False
     root_dtype: bool = False
     not_quantizable_because: str | None = None
+    # the kind whose d × d factors this kind keeps as low-rank sketches (sketchy: "shampoo"),
+    # what make_optimizer(memory="sketch") turns that kind into; None for the others
+    sketches: str | None = None
     # the Trainer's AdamW migration: True for a kind whose own epsilon is Adam's and which
     # is not grafted by default there (SOAP)
     adam_like: bool = False

@@ -63,6 +63,7 @@ class Sketchy(Shampoo):
     # the full dims are Shampoo's, without the options that need every dim to be a full root
     root_dtype = coupled_roots = diagonal_factors = inverse_roots = False
     not_quantizable_because = NOT_QUANTIZABLE
+    sketches = "shampoo"  # make_optimizer(memory="sketch") turns Shampoo's groups into these
 
     # ------------------------------------------------------------------ which dims
     @staticmethod

@@ -26,11 +26,13 @@ from ...config import DEFAULTS, TABLE, did_you_mean, inert_keywords, validate_gr
 from ...optimizer import DistributedShampoo
 from ...preconditioners import KINDS
 from ..modules import (
+    check_memory,
     check_override,
     check_patterns,
     check_preset,
     hf_no_decay,
     param_groups,
+    sketch_groups,
     walk,
 )
 
@@ -66,8 +68,9 @@ STATELESS_PRESETS = ("muon",)
 DEFAULT_PRESET = "transformer"
 
 # optim_args keys that configure the Trainer integration, not the optimizer: the module
-# preset, and whether the Trainer's logs carry optimizer.metrics() (docs/metrics.md)
-INTEGRATION_KEYS = ("preset", "log_metrics")
+# preset, whether the Trainer's logs carry optimizer.metrics() (docs/metrics.md), and how
+# the large factors are stored (make_optimizer's memory=: "full" or "sketch", docs/sketchy.md)
+INTEGRATION_KEYS = ("preset", "log_metrics", "memory")
 _OVERRIDE_SEPARATOR = "@"
 
 
@@ -87,6 +90,7 @@ class OptimArgs:
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     preset: str | None = None
     log_metrics: bool = True  # optimizer.metrics() in every training log entry
+    memory: str = "full"  # "sketch": Shampoo groups become preconditioner="sketchy"
 
 
 _DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
@@ -196,8 +200,8 @@ def _unknown_key(key: str, name: str) -> ValueError:
 def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
     """Parse ``"k=v,k=v,PATTERN@k=v"`` (or a dict) into typed keywords.
 
-    Keys are the docs/design.md §7 keyword names (plus ``preset`` and ``log_metrics``, the
-    integration's own: ``INTEGRATION_KEYS``); ``PATTERN@key=value`` sets a
+    Keys are the docs/design.md §7 keyword names (plus ``preset``, ``log_metrics`` and
+    ``memory``, the integration's own: ``INTEGRATION_KEYS``); ``PATTERN@key=value`` sets a
     keyword for the parameters whose name or owning module's name matches the glob
     ``PATTERN``. Inside ``optim_args`` write ``;`` where Python writes ``,`` in a value
     (``betas=(0.9;0.999)``, ``inverse_exponent_override={2:{0:0;1:0.5}}``): transformers
@@ -241,6 +245,11 @@ def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> OptimArgs:
             continue
         if name == "log_metrics":
             parsed.log_metrics = _flag(name, value)
+            continue
+        if name == "memory":
+            memory = value.strip() if isinstance(value, str) else value
+            check_memory(memory, "optim_args memory")
+            parsed.memory = memory
             continue
         target = parsed.overrides.setdefault(pattern, {}) if sep else parsed.kwargs
         target[name] = cast_value(name, value)
@@ -316,7 +325,9 @@ def validate_args(args: Any, model: torch.nn.Module | None = None,
             "optim_args on every comma, so write ';' there, e.g. betas=(0.9;0.999)"
         )
     parsed = parse_optim_args(text)
-    resolve_kwargs(args, parsed.kwargs, preset=chosen_preset(args, parsed, preset))
+    kwargs = resolve_kwargs(args, parsed.kwargs, preset=chosen_preset(args, parsed, preset))
+    if parsed.memory == "sketch":  # a model-wide kind or keyword memory=sketch refuses
+        sketch_groups([{}], kwargs)
     for pattern, keywords in parsed.overrides.items():
         check_override(pattern, keywords)
     if model is not None:
@@ -359,6 +370,10 @@ def _build(
             decay_parameter_names=decay_parameter_names,
             defaults=groups_defaults,
         )
+        if parsed.memory == "sketch":
+            groups = kwargs["params"] = sketch_groups(groups, groups_defaults)
+    elif parsed.memory == "sketch":  # the Trainer's two groups: the optimizer's keywords
+        kwargs.update(sketch_groups([{}], kwargs)[0])
     base = {k: v for k, v in kwargs.items() if k != "params"}
     inert = inert_keywords(user, [{**DEFAULTS, **base, **g} for g in groups])
     if inert:
