@@ -114,6 +114,21 @@ def _eigh_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
     return None
 
 
+def batched_svd(matrices: Tensor) -> tuple[Tensor, Tensor]:
+    """``(U, S)`` of the thin SVD of every matrix of a stack ``(n, d, c)``, each matrix
+    single-threaded where torch has several threads (``per_matrix_threads``: a block's
+    result does not depend on its stack)."""
+    n, d, c = matrices.shape
+    r = min(d, c)
+    u, s = matrices.new_empty(n, d, r), matrices.new_empty(n, r)
+    per_matrix_threads(_svd_into, [((matrices,), (u, s, matrices.new_empty(n, r, c)))])
+    return u, s
+
+
+def _svd_into(matrices: Tensor, u: Tensor, s: Tensor, vh: Tensor) -> None:
+    torch.linalg.svd(matrices, full_matrices=False, out=(u, s, vh))
+
+
 def batched_eigh(matrices: Tensor, vectors_out: Tensor | None = None) -> Eigh:
     """Symmetric eigendecomposition of a stack (see ``batched_eigh_many``)."""
     return batched_eigh_many([matrices], [vectors_out])[0]

@@ -115,7 +115,18 @@ def test_state_is_order_d_times_k():
 def test_stacked_blocks_equal_separate_runs(max_dim):
     """Same-shape blocks share one stack (batched SVDs and products): each block's numbers
     are those of a run with that block alone, bit for bit (the lossless distributors give
-    an owner a stack of its own blocks). ``max_dim`` 1024 merges the matrices into 600-vectors."""
+    an owner a stack of its own blocks). ``max_dim`` 1024 merges the matrices into 600-vectors.
+    At one thread, as every distributed process runs (docs/design.md §13): with two, the
+    CPU's batched products of 600-vectors round by batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _stacked_equal_separate(max_dim)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _stacked_equal_separate(max_dim: int) -> None:
     shapes = [(30, 20), (30, 20), (30, 20)]
     grads = _grads(shapes, 5)
     together = _params(shapes)

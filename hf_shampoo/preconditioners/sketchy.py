@@ -216,7 +216,7 @@ def frequent_directions(basis: Tensor, values: Tensor, mass: Tensor, x: Tensor,
     # without a host sync: non-finite rows decompose zeros and come out NaN
     ok = torch.isfinite(stacked).flatten(1).all(dim=1).view(n, 1, 1)
     stacked = torch.where(ok, stacked, torch.zeros_like(stacked))
-    u, s, _ = torch.linalg.svd(stacked, full_matrices=False)  # u (n, d, r), r >= k
+    u, s = linalg.batched_svd(stacked)  # u (n, d, r), r >= k; per matrix on the CPU
     top = s[:, :k].clamp(min=0)
     cutoff = s[:, k].clamp(min=0) if s.shape[1] > k else torch.zeros_like(s[:, 0])
     c = cutoff.unsqueeze(1)
