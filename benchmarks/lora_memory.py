@@ -3,9 +3,13 @@ Llama, under each rule, computed by ``describe_blocks()`` on a meta-device model
 is allocated): AdamW (8 bytes per trainable element), the presets' adapter rule
 (``make_optimizer``: the long side diagonal), full factors (``DistributedShampoo`` on
 ``model.parameters()``, at the ablation's ``max_preconditioner_dim=128`` and at the
-default 1024) and the pair preconditioner (``preconditioner="riemannian_lora"``).
+default 1024), the pair preconditioner (``preconditioner="riemannian_lora"``) and Sketchy
+adapters (the long side a rank-k sketch); ``--full``: the whole model trained, AdamW against
+Shampoo (32- and 4-bit) and ``memory="sketch"``. Per rank of 8: the total / 8 (the owners
+balance the state to within one block).
 
     python -m benchmarks.lora_memory            # a table in markdown
+    python -m benchmarks.lora_memory --full     # the whole model trained, no adapters
 """
 
 from __future__ import annotations
@@ -56,24 +60,53 @@ def rules(model) -> dict[str, int]:
         "riemannian_lora (pairs)": state_bytes(make_optimizer(
             model, overrides={"*lora_*": {"preconditioner": "riemannian_lora"}},
             **SHAMPOO)),
+        **{f"sketchy adapters (blocks of 128; long side rank {k}, short side full)": state_bytes(
+            make_optimizer(model, overrides={"*lora_*": {
+                "preconditioner": "sketchy", "sketch_rank": k, "sketch_threshold": 16,
+                "diagonal_aspect": None}}, **SHAMPOO)) for k in (4, 16)},
     }
 
 
+def full_model_rules(model) -> dict[str, int]:
+    """The whole model trained (no adapters), blocks of 1024 (the default), Adam grafting."""
+    kwargs = dict(SHAMPOO, max_preconditioner_dim=1024)
+    n = sum(p.numel() for p in model.parameters())
+    return {
+        "AdamW": 8 * n,
+        "Shampoo (make_optimizer, full factors)": state_bytes(make_optimizer(model, **kwargs)),
+        "Shampoo, 4-bit factors and roots": state_bytes(
+            make_optimizer(model, quantization="4bit", **kwargs)),
+        **{f"Sketchy (make_optimizer(memory='sketch'), rank {k})": state_bytes(
+            make_optimizer(model, memory="sketch", sketch_rank=k, **kwargs))
+           for k in (64, 256)},
+    }
+
+
+def full_model(shape: dict) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**shape))
+
+
 def main() -> None:
+    full = "--full" in sys.argv[1:]
     results = {}
     for name, shape in MODELS.items():
-        model = lora_model(shape)
+        model = full_model(shape) if full else lora_model(shape)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        results[name] = (trainable, rules(model))
+        results[name] = (trainable, full_model_rules(model) if full else rules(model))
         print(f"{name}: {trainable / 1e6:.1f}M trainable", file=sys.stderr, flush=True)
     names = list(next(iter(results.values()))[1])
-    print(table_head("rule", *(f"{m} ({t / 1e6:.1f}M adapter parameters)"
+    what = "parameters" if full else "adapter parameters"
+    print(table_head("rule", *(f"{m} ({t / 1e6:.1f}M {what}): all / per rank of 8"
                                for m, (t, _) in results.items())))
     for rule in names:
         cells = []
         for _, (trainable, sizes) in results.items():
             b = sizes[rule]
-            cells.append(f"{b / 2**30:.2f} GiB ({b / (8 * trainable):.2f}× AdamW)")
+            cells.append(f"{b / 2**30:.2f} GiB / {b / 8 / 2**30:.2f} GiB "
+                         f"({b / (8 * trainable):.2f}× AdamW)")
         print(table_row(rule, *cells))
 
 
