@@ -11,6 +11,7 @@ must continue exactly like the run that never stopped.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 import torch
@@ -121,3 +122,6 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it

@@ -45,7 +45,7 @@ VOCAB = 64
 # blocks exist and which the saved optimizer.pt holds (loaded with weights_only=True).
 WORKER = textwrap.dedent(
     '''
-    import copy, json, os
+    import copy, json, os, sys
     from dataclasses import dataclass, field
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer
@@ -102,6 +102,14 @@ WORKER = textwrap.dedent(
                     "params_equal": same,
                     "callbacks": [type(c).__name__ for c in trainer.callback_handler.callbacks],
                 }, f)
+        if torch.distributed.is_initialized():
+            # no interpreter finalization: gloo's threads were seen to abort a rank there
+            # ("terminate called without an active exception") after its work was done
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
     if __name__ == "__main__":

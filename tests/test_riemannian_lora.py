@@ -291,8 +291,7 @@ def run_fsdp_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
             result["state_dict"] = opt.state_dict()
         results[mesh_name] = result
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()  # leave together: a rank leaving early was seen to abort the other
-    torch.distributed.destroy_process_group()
+    leave_gloo_world()  # together: a rank leaving early was seen to abort the other
 
 
 def plain_optimizer(model):
@@ -361,8 +360,7 @@ def run_local_world(rank: int, world: int, init_file: str, out_dir: str) -> None
     except NotImplementedError as e:
         error = str(e)
     torch.save(error, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()  # leave together: a rank leaving early was seen to abort the other
-    torch.distributed.destroy_process_group()
+    leave_gloo_world()  # together: a rank leaving early was seen to abort the other
 
 
 # ------------------------------------------------------------------------- Trainer

@@ -20,6 +20,7 @@ with; ``train_one_process`` is the reference the test compares it with.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 import torch
@@ -142,6 +143,9 @@ def run_world(rank: int, path: str, init_file: str, out_dir: str, hows: list[str
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it
 
 
 # ---------------------------------------------------------------------------- the Trainer
@@ -243,6 +247,9 @@ def trainer_main(path: str, out_dir: str, optims: list[str]) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it
 
 
 
@@ -367,6 +374,9 @@ def accelerate_main(path: str, out_dir: str, cases: list[str]) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it
 
 if __name__ == "__main__":
     import sys
