@@ -146,7 +146,7 @@ def test_shampoo_trainer_and_muon_log_them_once(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------- 2 ranks
 DDP_WORKER = '''
-import json, sys
+import json, os, sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 import hf_shampoo  # registers optim="distributed_shampoo"
@@ -169,6 +169,12 @@ shampoo = trainer.optimizer.optimizer
 with open(f"{out}/rank{args.process_index}.json", "w") as f:
     json.dump({"entries": entries, "world": args.world_size,
                "distributor": type(shampoo.distributor).__name__}, f)
+if torch.distributed.is_initialized():  # no finalization: gloo's threads may abort it
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 '''
 
 
