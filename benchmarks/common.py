@@ -23,10 +23,10 @@ import torch
 from hf_shampoo import DistributedShampoo, eigenbasis
 from hf_shampoo.blocking import ParamBlocking
 from hf_shampoo.distributors import (
+    DataParallelDistributor,
     SingleProcessDistributor,
     block_cost,
     greedy_assignment,
-    staggered_assignment,
 )
 from hf_shampoo.distributors.fsdp import ShardedDistributor
 from hf_shampoo.distributors.placements import chunk_boxes
@@ -237,12 +237,8 @@ class SimulatedRank(SingleProcessDistributor):
         self.segment_numel = 0
 
     def assign(self, blocks, block_shapes, costs=None, slots=None):
-        if costs is None:
-            costs = [block_cost(s, self.assignment_cost) for s in block_shapes]
-        if slots is not None and any(s is not None for s in slots):
-            work = [float(sum(d**3 for d in shape)) for shape in block_shapes]
-            return staggered_assignment(costs, slots, work, self.world_size)
-        return greedy_assignment(costs, self.world_size)
+        # the data-parallel distributor's own rule, without its process group
+        return DataParallelDistributor.assign(self, blocks, block_shapes, costs, slots)
 
     def allocate_directions(self, stacks) -> None:
         super().allocate_directions(stacks)

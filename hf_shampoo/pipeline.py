@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .blocking import ParamBlocking
 from .config import is_preconditioning, is_refresh_step, start_step
-from .distributors import OTHER_RANK, Distributor, greedy_assignment
+from .distributors import OTHER_RANK, Distributor, greedy_assignment, refresh_work
 from .distributors.agreement import Plan
 from .linalg import finite_rows
 from .preconditioners import kind_of
@@ -194,12 +194,6 @@ def staggered_offsets(shapes: list[tuple[int, ...]], frequency: int) -> list[int
         return []
     return greedy_assignment([refresh_work(shape) for shape in shapes],
                              min(frequency, len(shapes)))
-
-
-def refresh_work(shape: tuple[int, ...]) -> float:
-    """What a block's refresh costs, for spreading refreshes: ``Σ d³`` (its
-    eigendecompositions)."""
-    return float(sum(d**3 for d in shape))
 
 
 

@@ -11,15 +11,13 @@ must continue exactly like the run that never stopped.
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.accelerate import register_checkpoint_hook
-from tests.helpers import join_gloo_world
+from tests.helpers import join_gloo_world, leave_gloo_world
 
 CONFIG = dict(lr=0.05, grafting="adam", precondition_frequency=2, epsilon=1e-3,
               max_preconditioner_dim=8, weight_decay=0.01)
@@ -120,8 +118,4 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str):
         results["error"] = traceback.format_exc()
         print(results["error"], flush=True)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it
+    leave_gloo_world()

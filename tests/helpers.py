@@ -277,6 +277,18 @@ def one_thread_per_process():
             os.environ["OMP_NUM_THREADS"] = previous
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count set to ``count`` inside, restored afterwards (bit
+    identity across stacks holds at one thread per process: docs/design.md §13)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def assert_resumes_exactly(make_model, make_optimizer, train) -> dict:
     """Train 3 steps, save model and optimizer through torch.save, train 3 more; a fresh
     model and optimizer loaded from the file and trained the same 3 steps must end bit for

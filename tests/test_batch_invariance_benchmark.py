@@ -7,26 +7,18 @@ CUDA float32 products do not (docs/gpu.md#bit-identity)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from benchmarks import batch_invariance
+from tests.helpers import torch_threads
 
 pytestmark = pytest.mark.benchmarks
 
 
 def test_every_operation_is_batch_invariant_on_the_cpu(capsys):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _check(capsys)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _check(capsys):
-    rows = batch_invariance.rows("cpu", ["float32", "float64"], sizes=(16, 40, 130))
+    with torch_threads(1):
+        rows = batch_invariance.rows("cpu", ["float32", "float64"], sizes=(16, 40, 130))
+        batch_invariance.main(["--device", "cpu", "--dtypes", "float64", "--sizes", "16"])
     assert len(rows) == 2 * 3 * 6
     assert [r for r in rows if not r[3]] == []
-    batch_invariance.main(["--device", "cpu", "--dtypes", "float64", "--sizes", "16"])
     table = capsys.readouterr().out
     assert table.count("| yes |") == 6 and "**no**" not in table

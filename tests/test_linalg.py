@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, eigenbasis, linalg
-from tests.helpers import generator
+from tests.helpers import generator, torch_threads
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
 
@@ -76,12 +76,8 @@ def test_batched_eigh_falls_back_per_matrix(monkeypatch):
         return real(m)
 
     monkeypatch.setattr(torch.linalg, "eigh", flaky)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one batched call (with more threads: one call per matrix)
-    try:
+    with torch_threads(1):  # one batched call (with more threads: one call per matrix)
         result = linalg.batched_eigh(a)
-    finally:
-        torch.set_num_threads(threads)
     assert calls["batched"] == 1
     assert result.ok == [True, False, True]
     expected = real(a[0])[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, eigenbasis, kronecker, linalg
-from tests.helpers import F64, cpu_batch_invariance, generator, random_tensors
+from tests.helpers import F64, cpu_batch_invariance, generator, random_tensors, torch_threads
 from tests.reference_shampoo import ReferenceShampoo
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
@@ -226,9 +226,7 @@ def test_lapack_results_do_not_depend_on_batch_with_several_threads():
     g = generator(6)
     x = torch.randn(5, 40, 80, generator=g)
     a = x @ x.mT
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         together = linalg.batched_eigh(a)
         basis = eigenbasis.orthonormal_basis(a)
         for i in range(5):
@@ -237,8 +235,6 @@ def test_lapack_results_do_not_depend_on_batch_with_several_threads():
             assert torch.equal(alone.eigenvectors[0], together.eigenvectors[i])
             assert torch.equal(eigenbasis.orthonormal_basis(a[i : i + 1])[0], basis[i])
         assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(previous)
     torch.testing.assert_close(basis, torch.linalg.qr(a)[0])
 
 

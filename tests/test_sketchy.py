@@ -11,6 +11,7 @@ import torch
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.stack import ShampooNumericalError
+from tests.helpers import torch_threads
 
 pytestmark = pytest.mark.unit
 
@@ -118,25 +119,17 @@ def test_stacked_blocks_equal_separate_runs(max_dim):
     an owner a stack of its own blocks). ``max_dim`` 1024 merges the matrices into 600-vectors.
     At one thread, as every distributed process runs (docs/design.md §13): with two, the
     CPU's batched products of 600-vectors round by batch."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _stacked_equal_separate(max_dim)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _stacked_equal_separate(max_dim: int) -> None:
     shapes = [(30, 20), (30, 20), (30, 20)]
     grads = _grads(shapes, 5)
     together = _params(shapes)
     settings = dict(preconditioner="sketchy", sketch_rank=6, grafting="adam", lr=0.05,
                     precondition_frequency=2, max_preconditioner_dim=max_dim)
-    _run(together, grads, **settings)
-    for i in range(3):
-        alone = _params(shapes)[i:i + 1]
-        _run(alone, [[step[i]] for step in grads], **settings)
-        torch.testing.assert_close(together[i], alone[0], rtol=0, atol=0)
+    with torch_threads(1):
+        _run(together, grads, **settings)
+        for i in range(3):
+            alone = _params(shapes)[i:i + 1]
+            _run(alone, [[step[i]] for step in grads], **settings)
+            torch.testing.assert_close(together[i], alone[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("schedule", ["all", "staggered"])

@@ -20,7 +20,6 @@ with; ``train_one_process`` is the reference the test compares it with.
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hf_shampoo import make_optimizer
-from tests.helpers import join_gloo_world
+from tests.helpers import join_gloo_world, leave_gloo_world
 
 WORLD = 4
 # float64, so that the reductions' different rounding (tensor-parallel partial sums, FSDP's
@@ -141,11 +140,7 @@ def run_world(rank: int, path: str, init_file: str, out_dir: str, hows: list[str
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it
+    leave_gloo_world()
 
 
 # ---------------------------------------------------------------------------- the Trainer
@@ -245,11 +240,7 @@ def trainer_main(path: str, out_dir: str, optims: list[str]) -> None:
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"trainer_rank{rank}.pt"))
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it
+        leave_gloo_world()
 
 
 
@@ -372,11 +363,7 @@ def accelerate_main(path: str, out_dir: str, cases: list[str]) -> None:
             results[case] = {"error": traceback.format_exc()}
     torch.save(results, os.path.join(out_dir, f"accelerate_rank{rank}.pt"))
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter finalization: gloo's threads were seen to abort it
+        leave_gloo_world()
 
 if __name__ == "__main__":
     import sys

@@ -11,7 +11,14 @@ exchange over DeepSpeed ZeRO 1/2's flat partitions (on ``fsdp``);
 layout, that the ranks which share blocks hold the same parameters.
 """
 
-from .base import OTHER_RANK, Distributor, block_cost, greedy_assignment, staggered_assignment
+from .base import (
+    OTHER_RANK,
+    Distributor,
+    block_cost,
+    greedy_assignment,
+    refresh_work,
+    staggered_assignment,
+)
 from .ddp import DataParallelDistributor
 from .factory import make_distributor
 from .fsdp import ShardedDistributor
@@ -27,6 +34,7 @@ __all__ = [
     "SingleProcessDistributor",
     "block_cost",
     "greedy_assignment",
+    "refresh_work",
     "staggered_assignment",
     "make_distributor",
 ]

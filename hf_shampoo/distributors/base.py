@@ -34,6 +34,12 @@ def block_cost(shape: Sequence[int], cost: str = "memory") -> float:
     return float(sum(d**power for d in shape) + numel)
 
 
+def refresh_work(shape: Sequence[int]) -> float:
+    """What a block's refresh costs, for spreading refreshes over steps and ranks: ``Σ d³``
+    (its eigendecompositions)."""
+    return float(sum(d**3 for d in shape))
+
+
 def greedy_assignment(costs: Sequence[float], num_ranks: int) -> list[int]:
     """Longest processing time first: blocks by decreasing cost (ties: block order) each
     go to the least-loaded rank (ties: lowest rank). Deterministic, identical everywhere."""

@@ -24,6 +24,7 @@ from .base import (
     apply_directions,
     block_cost,
     greedy_assignment,
+    refresh_work,
     staggered_assignment,
     world_any,
 )
@@ -90,8 +91,8 @@ class DataParallelDistributor(Distributor):
         if costs is None:
             costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
         if slots is not None and any(s is not None for s in slots):
-            work = [float(sum(d**3 for d in shape)) for shape in block_shapes]
-            return staggered_assignment(costs, slots, work, self.world_size)
+            return staggered_assignment(costs, slots, list(map(refresh_work, block_shapes)),
+                                        self.world_size)
         return greedy_assignment(costs, self.world_size)
 
     def allocate_directions(self, stacks) -> None:
