@@ -21,6 +21,7 @@ wall-clock time on an idle core and is not inflated by other work on the machine
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -82,21 +83,24 @@ class Optimizer:
 
 
 OPTIMIZERS = {
-    "AdamW": Optimizer("adamw", tasks=("resnet", "gpt2", "lora")),
+    "AdamW": Optimizer("adamw", tasks=("resnet", "gpt2", "lora", "finetune")),
     "SGD + Nesterov": Optimizer("sgd", lrs=(0.03, 0.1, 0.3), tasks=("resnet",)),
-    "Shampoo (Adam grafting)": Optimizer("shampoo", SHAMPOO, tasks=("resnet", "gpt2", "lora")),
+    "Shampoo (Adam grafting)": Optimizer("shampoo", SHAMPOO,
+                                         tasks=("resnet", "gpt2", "lora", "finetune")),
     # LoRA through the module rules, as the Trainer and make_optimizer build it: each
     # adapter's long side (d of d x r) gets a diagonal factor, the short side a full one
     "Shampoo (Adam grafting, module rules)": Optimizer("shampoo_modules", SHAMPOO,
                                                        tasks=("lora",)),
-    "SOAP (eigenvalue-corrected)": Optimizer("shampoo", SOAP, tasks=("resnet", "gpt2", "lora")),
+    "SOAP (eigenvalue-corrected)": Optimizer("shampoo", SOAP,
+                                             tasks=("resnet", "gpt2", "lora", "finetune")),
     "KL-Shampoo (Adam grafting)": Optimizer("shampoo", dict(SHAMPOO, preconditioner="kl_shampoo")),
     # Sketchy (docs/sketchy.md): every factor dim over k a rank-k Frequent-Directions
     # sketch (on this GPT-2: 1.19x AdamW's state at k = 8, 1.38x at 16; Shampoo 4.0x); the
     # reference's relative epsilon
     **{f"Sketchy (rank {k})": Optimizer("shampoo", dict(SHAMPOO, preconditioner="sketchy",
                                                          sketch_rank=k, epsilon=1e-7),
-                                         tasks=("gpt2",), default=False) for k in (8, 16)},
+                                         tasks=("gpt2", "finetune"), default=False)
+       for k in (8, 16)},
     "4-bit Shampoo (statistics every 2)": Optimizer(
         "shampoo", dict(SHAMPOO, quantization="4bit", statistics_frequency=2)),
     # 4-bit cadences beyond the default table (docs/design.md §5): run when named in --optimizers
@@ -110,7 +114,7 @@ OPTIMIZERS = {
 # same split, Nesterov momentum betas[0] = 0.9, the same adjustment): GPT-2 only
 OPTIMIZERS["Muon (hf_shampoo, muon preset)"] = Optimizer(
     "muon", dict(betas=(0.9, 0.999), grafting_beta2=0.999, grafting_epsilon=1e-8,
-                 weight_decay=1e-4), tasks=("gpt2",))
+                 weight_decay=1e-4), tasks=("gpt2", "finetune"))
 OPTIMIZERS["torch.optim.Muon + AdamW"] = Optimizer("torch_muon", tasks=("gpt2",))
 # schedule-free Shampoo (Meta's ScheduleFreeConfig): no decay, evaluated at the averaged
 # weights (optimizer.eval()); the averaging takes the place of beta1's filter
@@ -216,6 +220,20 @@ def lora_task(args) -> Task:
                 f"steps with AdamW on its sources (val loss before: {before:.3f}), batch "
                 f"{args.text_batch_size}", lambda seed: make_lora(base, seed), batches, loss,
                 evaluate, "val loss", measure_state=True)
+
+
+def finetune_task(args) -> Task:
+    """The LoRA task's pre-trained GPT-2 and data, every parameter trainable."""
+    base = lora_base(args.gpt2_width, args.lora_base_steps, args.text_batch_size)
+    batches, loss, evaluate = language_model_parts(args, *docstring_tokens())
+    before = evaluate(base)["val loss"]
+    size = sum(p.numel() for p in base.parameters())
+    return Task("finetune", f"full fine-tune (all {size / 1e3:.0f}k parameters) on the "
+                f"standard library's docstrings of a GPT-2 (2 layers, "
+                f"{args.gpt2_width} wide) trained {args.lora_base_steps} steps with AdamW on its "
+                f"sources (val loss before: {before:.3f}), batch {args.text_batch_size}",
+                lambda seed: copy.deepcopy(base), batches, loss, evaluate, "val loss",
+                measure_state=True)
 
 
 def lora_base(width: int, steps: int, batch_size: int) -> nn.Module:
@@ -585,7 +603,7 @@ def merge(paths: list[str]) -> tuple[list[dict], list[str]]:
 def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=["resnet", "gpt2"],
-                        choices=["resnet", "gpt2", "lora"])
+                        choices=["resnet", "gpt2", "lora", "finetune"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--ablation-seeds", type=int, default=3)
@@ -668,7 +686,8 @@ def header() -> str:
     return f"`{command_line()}`; {hardware()}; time is CPU time of the one-thread process"
 
 
-TASKS = {"resnet": resnet_task, "gpt2": gpt2_task, "lora": lora_task}
+TASKS = {"resnet": resnet_task, "gpt2": gpt2_task, "lora": lora_task,
+         "finetune": finetune_task}
 
 
 def main(argv=None) -> None:

@@ -114,19 +114,55 @@ def _eigh_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
     return None
 
 
-def batched_svd(matrices: Tensor) -> tuple[Tensor, Tensor]:
-    """``(U, S)`` of the thin SVD of every matrix of a stack ``(n, d, c)``, each matrix
-    single-threaded where torch has several threads (``per_matrix_threads``: a block's
-    result does not depend on its stack)."""
+@dataclass
+class Svd:
+    """Left singular vectors ``(n, d, r)``, singular values ``(n, r)`` descending, and
+    which matrices succeeded (failed ones hold zeros)."""
+
+    u: Tensor
+    s: Tensor
+    ok: list[bool]
+
+
+def batched_svd(matrices: Tensor) -> Svd:
+    """The thin SVD of every matrix of a stack ``(n, d, c)``, each matrix single-threaded
+    where torch has several threads (``per_matrix_threads``: a block's result does not
+    depend on its stack). Where LAPACK raises for one of them, each matrix is decomposed
+    on its own (own dtype, then float64), and matrices that still fail are reported in
+    ``ok`` with zeros, so that the caller can keep its previous result for them."""
     n, d, c = matrices.shape
     r = min(d, c)
     u, s = matrices.new_empty(n, d, r), matrices.new_empty(n, r)
-    per_matrix_threads(_svd_into, [((matrices,), (u, s, matrices.new_empty(n, r, c)))])
-    return u, s
+    try:
+        per_matrix_threads(_svd_into, [((matrices,), (u, s, matrices.new_empty(n, r, c)))])
+        return Svd(u, s, [True] * n)
+    except RuntimeError:  # torch.linalg.LinAlgError derives from RuntimeError
+        pass
+    u.zero_()
+    s.zero_()
+    ok = []
+    for i in range(n):
+        result = _svd_one(matrices[i])
+        ok.append(result is not None)
+        if result is not None:
+            u[i], s[i] = result
+    return Svd(u, s, ok)
 
 
 def _svd_into(matrices: Tensor, u: Tensor, s: Tensor, vh: Tensor) -> None:
     torch.linalg.svd(matrices, full_matrices=False, out=(u, s, vh))
+
+
+def _svd_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
+    """One matrix's thin SVD ``(U, S)``: its own dtype, then float64; None if both fail."""
+    for dtype in dict.fromkeys((matrix.dtype, torch.float64)):
+        try:
+            u, s, _ = torch.linalg.svd(matrix.to(dtype), full_matrices=False)
+        except RuntimeError:  # torch.linalg.LinAlgError derives from RuntimeError
+            continue
+        if all_finite(u) and all_finite(s):
+            return u.to(matrix.dtype), s.to(matrix.dtype)
+    return None
 
 
 def batched_eigh(matrices: Tensor, vectors_out: Tensor | None = None) -> Eigh:

@@ -5,6 +5,7 @@ the authors' JAX reference is tests/test_sketchy_reference.py."""
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -168,3 +169,93 @@ def test_non_finite_gradient_raises_before_any_change():
     with pytest.raises(ShampooNumericalError, match="non-finite"):
         opt.step()
     assert torch.equal(params[0], before)
+
+
+def _sketch_state(opt, index):
+    return {k: v.clone() for k, v in opt.state_dict()["state"][index].items()
+            if ".sketch_basis_" in k or ".sketch_values_" in k or ".sketch_escaped_mass_" in k}
+
+
+def test_failed_svd_keeps_the_previous_sketch(monkeypatch):
+    """Where LAPACK raises in the batched SVD, each matrix is decomposed on its own; one
+    that fails there (and in float64) keeps its previous sketch, with a warning naming the
+    parameter and a count in ``metrics()``, while its stack-mates get the numbers of a run
+    without failures; after too many failures in a row the step raises."""
+    import hf_shampoo.linalg as linalg
+
+    shapes = [(30, 20)] * 3
+    grads = _grads(shapes, 8)
+    settings = dict(preconditioner="sketchy", sketch_rank=6, grafting="adam", lr=0.05,
+                    precondition_frequency=2, betas=(0.9, 0.99), max_preconditioner_dim=32)
+    with torch_threads(1):
+        reference = _params(shapes)
+        ref_opt = _run(reference, grads[:3], **settings)
+        failing = _params(shapes)
+        opt = _run(failing, grads[:2], **settings)
+        before = _sketch_state(opt, 1)
+        calls = {"n": 0}
+        real_one = linalg._svd_one
+
+        def batched_raises(*args):
+            raise torch.linalg.LinAlgError("injected: SVD did not converge")
+
+        def row_one_fails(matrix):  # called row by row: 0, 1, 2 per sketched dim
+            calls["n"] += 1
+            return None if calls["n"] % 3 == 2 else real_one(matrix)
+
+        monkeypatch.setattr(linalg, "_svd_into", batched_raises)
+        monkeypatch.setattr(linalg, "_svd_one", row_one_fails)
+        opt.metrics()  # reading starts the count of fallbacks from 0
+        for p, g in zip(failing, grads[2]):
+            p.grad = g.clone()
+        with pytest.warns(UserWarning, match=r"Frequent-Directions SVD of sketch_basis_\d"):
+            opt.step()
+        assert calls["n"] == 6  # two sketched dims, three rows each
+        assert opt.metrics()["optimizer/fallbacks"] == 2
+        after = _sketch_state(opt, 1)
+        assert before.keys() == after.keys() and len(after) == 6
+        for name in before:
+            assert torch.equal(before[name], after[name]), name
+        for i in (0, 2):  # the other rows: as without any failure
+            torch.testing.assert_close(failing[i], reference[i], rtol=0, atol=0)
+            ours, theirs = _sketch_state(opt, i), _sketch_state(ref_opt, i)
+            for name in ours:
+                torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
+        with pytest.warns(UserWarning):  # failures 2 and 3 in a row: still warnings
+            for step in grads[3:5]:
+                for p, g in zip(failing, step):
+                    p.grad = g.clone()
+                opt.step()
+        for p, g in zip(failing, grads[5]):
+            p.grad = g.clone()
+        with pytest.raises(ShampooNumericalError, match="4th time in a row; giving up"):
+            opt.step()
+
+
+def test_svd_retried_in_float64_where_float32_fails(monkeypatch):
+    """A float32 SVD that raises is taken again in float64: every block goes on, close to
+    the run where float32 succeeded, with no fallback."""
+    import hf_shampoo.linalg as linalg
+
+    real_svd = torch.linalg.svd
+
+    def float32_raises(matrix, *args, **kwargs):
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("injected: float32 SVD did not converge")
+        return real_svd(matrix, *args, **kwargs)
+
+    shapes = [(30, 20)] * 2
+    grads = _grads(shapes, 4)
+    settings = dict(preconditioner="sketchy", sketch_rank=6, grafting="adam", lr=0.05,
+                    precondition_frequency=2, max_preconditioner_dim=32)
+    reference = _params(shapes)
+    _run(reference, grads, **settings)
+    retried = _params(shapes)
+    monkeypatch.setattr(linalg.torch.linalg, "svd", float32_raises)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = _run(retried, grads, **settings)
+    assert opt.metrics()["optimizer/fallbacks"] == 0
+    for a, b in zip(retried, reference):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert not torch.equal(a, b)  # float64 ran

@@ -125,18 +125,26 @@ class Sketchy(Shampoo):
         return super().initial_state(name, shape, dtype, n, device)
 
     # ------------------------------------------------------------------ statistics
-    def _sketches(self, stack, job, g: Tensor, rows: list[int] | None) -> dict[str, Tensor]:
+    def _sketches(self, stack, job, g: Tensor, rows: list[int] | None,
+                  count: bool) -> dict[str, Tensor]:
         """The Frequent-Directions update of every sketched dim, out of place (``rows``: of
-        the state and of ``g``; None: all)."""
+        the state and of ``g``; None: all). ``count``: these results are adopted, so rows
+        whose SVD failed (and keep their previous sketch) are warned about and counted as
+        Shampoo's failed eigendecompositions are (``ShampooNumericalError`` after too many
+        in a row)."""
         group, state = job.group, job.state
         beta2 = group["betas"][1]
+        members = [job.members[r] for r in (range(len(job.members)) if rows is None else rows)]
         out = {}
         for j in self.sketched_dims(stack.shape, group):
             names = (f"sketch_basis_{j}", f"sketch_values_{j}", f"sketch_escaped_mass_{j}")
             basis, values, mass = (state[n] if rows is None else state[n][rows] for n in names)
             x = unfold(g if rows is None else g[rows], j)
-            basis, values, mass = frequent_directions(basis, values, mass, x, beta2)
+            basis, values, mass, ok = frequent_directions(basis, values, mass, x, beta2)
             out.update(zip(names, (basis, values, mass)))
+            if count:
+                stack.count_failures(f"sketch_basis_{j}", torch.tensor(ok), members, job.step,
+                                     what="Frequent-Directions SVD")
         return out
 
     def checked_factors(self, stack, job) -> dict[str, Tensor]:
@@ -147,7 +155,8 @@ class Sketchy(Shampoo):
         rows = job.refresh_rows
         everything = len(rows) == job.grad.shape[0]
         g = job.grad.to(job.group["factor_matrix_dtype"])
-        factors.update(self._sketches(stack, job, g, None if everything else rows))
+        factors.update(self._sketches(stack, job, g, None if everything else rows,
+                                      count=everything))
         return factors
 
     def update_statistics(self, stack, job, g: Tensor, scratch: Scratch) -> None:
@@ -157,7 +166,7 @@ class Sketchy(Shampoo):
                 state[name].copy_(value)
             return
         super().update_statistics(stack, job, g, scratch)
-        for name, value in self._sketches(stack, job, g, None).items():
+        for name, value in self._sketches(stack, job, g, None, count=True).items():
             state[name].copy_(value)
 
     # ------------------------------------------------------------------ refresh
@@ -202,11 +211,14 @@ class Sketchy(Shampoo):
 
 
 def frequent_directions(basis: Tensor, values: Tensor, mass: Tensor, x: Tensor,
-                        beta2: float) -> tuple[Tensor, Tensor, Tensor]:
+                        beta2: float) -> tuple[Tensor, Tensor, Tensor, list[bool]]:
     """One Frequent-Directions step per row: the sketch ``U diag(σ)`` (``basis`` (n, d, k),
-    ``values`` (n, k)) and escaped mass ``ρ`` (n,) after the new columns ``x`` (n, d, m).
+    ``values`` (n, k)) and escaped mass ``ρ`` (n,) after the new columns ``x`` (n, d, m),
+    and which rows' SVD succeeded.
 
-    Rows whose input is not finite get NaN results (the caller's check raises on them)."""
+    Rows whose input is not finite get NaN results (the caller's check raises on them).
+    Rows whose SVD fails (LAPACK raises in their own dtype and in float64) keep their
+    previous sketch: that step's gradient does not enter it."""
     n, d, k = basis.shape
     decay = math.sqrt(beta2)
     weight = 1.0 if beta2 == 1.0 else 1.0 - beta2
@@ -214,9 +226,10 @@ def frequent_directions(basis: Tensor, values: Tensor, mass: Tensor, x: Tensor,
     columns = x if weight == 1.0 else x * math.sqrt(weight)
     stacked = torch.cat([sketch, columns.to(sketch.dtype)], dim=2)  # (n, d, k + m)
     # without a host sync: non-finite rows decompose zeros and come out NaN
-    ok = torch.isfinite(stacked).flatten(1).all(dim=1).view(n, 1, 1)
-    stacked = torch.where(ok, stacked, torch.zeros_like(stacked))
-    u, s = linalg.batched_svd(stacked)  # u (n, d, r), r >= k; per matrix on the CPU
+    finite = torch.isfinite(stacked).flatten(1).all(dim=1).view(n, 1, 1)
+    stacked = torch.where(finite, stacked, torch.zeros_like(stacked))
+    svd = linalg.batched_svd(stacked)  # u (n, d, r), r >= k; per matrix on the CPU
+    u, s = svd.u, svd.s
     top = s[:, :k].clamp(min=0)
     cutoff = s[:, k].clamp(min=0) if s.shape[1] > k else torch.zeros_like(s[:, 0])
     c = cutoff.unsqueeze(1)
@@ -225,9 +238,14 @@ def frequent_directions(basis: Tensor, values: Tensor, mass: Tensor, x: Tensor,
     new_basis = u[:, :, :k] * mask.unsqueeze(1)
     new_values = deflated * mask
     new_mass = mass * decay + cutoff.square()
+    if not all(svd.ok):  # the failed rows keep what they had
+        kept = torch.tensor([not ok for ok in svd.ok], device=basis.device)
+        new_basis = torch.where(kept.view(n, 1, 1), basis, new_basis)
+        new_values = torch.where(kept.view(n, 1), values, new_values)
+        new_mass = torch.where(kept, mass, new_mass)
     nan = torch.full((), math.nan, dtype=new_basis.dtype, device=new_basis.device)
-    return (torch.where(ok, new_basis, nan), torch.where(ok.view(n, 1), new_values, nan),
-            torch.where(ok.view(n), new_mass, nan))
+    return (torch.where(finite, new_basis, nan), torch.where(finite.view(n, 1), new_values, nan),
+            torch.where(finite.view(n), new_mass, nan), svd.ok)
 
 
 def low_rank_root(values: Tensor, mass: Tensor, bias2: float, epsilon: float, relative: bool,
