@@ -91,6 +91,8 @@ def test_low_rank_sketch_differs_from_shampoo_and_keeps_escaped_mass():
     (dict(diagonal_aspect=4.0), "diagonal_aspect"),
     (dict(rank_deficient="pseudo_inverse", epsilon=0.0), "rank_deficient"),
     (dict(eigendecomposition="qr", sketch_threshold=0), "eigendecomposition"),
+    (dict(statistics_frequency=3, precondition_frequency=4), "statistics_frequency"),
+    (dict(statistics_warmup=2), "statistics_warmup"),
 ])
 def test_bad_keywords_are_clear_errors(keywords, name):
     with pytest.raises(ValueError, match=name) as raised:
@@ -133,13 +135,15 @@ def test_stacked_blocks_equal_separate_runs(max_dim):
             torch.testing.assert_close(together[i], alone[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["all", "staggered"])
-def test_checkpoint_resumes_exactly(schedule):
+@pytest.mark.parametrize("schedule,every", [("all", None), ("staggered", None),
+                                            ("staggered", 3)])
+def test_checkpoint_resumes_exactly(schedule, every):
     shapes = [(40, 24), (40, 24), (24,), (6, 5, 30)]
     grads = _grads(shapes, 8)
     settings = dict(preconditioner="sketchy", sketch_rank=5, sketch_threshold=8,
                     grafting="adam", lr=0.05, momentum=0.3, precondition_frequency=3,
-                    betas=(0.9, 0.99), refresh_schedule=schedule, max_preconditioner_dim=40)
+                    betas=(0.9, 0.99), refresh_schedule=schedule, max_preconditioner_dim=40,
+                    statistics_frequency=every)
     straight = _params(shapes)
     _run(straight, grads, **settings)
     first = _params(shapes)
@@ -259,3 +263,40 @@ def test_svd_retried_in_float64_where_float32_fails(monkeypatch):
     for a, b in zip(retried, reference):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         assert not torch.equal(a, b)  # float64 ran
+
+
+@pytest.mark.parametrize("schedule", ["all", "staggered"])
+def test_statistics_frequency_samples_the_sketches(schedule):
+    """``statistics_frequency=s`` (the reference's ``update_freq``): a block's sketches take
+    the gradients of its own steps that are multiples of ``s`` (and of its refreshes) only.
+    With ``β2 = 1`` a zero gradient leaves a sketch as it is, so the sketches equal those of
+    a run that takes every step's gradient but sees zeros at the skipped steps (each block
+    by its own schedule, whose offsets both runs share)."""
+    shapes = [(24, 16), (24, 16), (6, 5, 30)]
+    steps = 12
+    grads = _grads(shapes, steps, torch.float64)
+    settings = dict(preconditioner="sketchy", sketch_rank=4, grafting="adam", lr=0.05,
+                    betas=(0.9, 1.0), precondition_frequency=4, max_preconditioner_dim=30,
+                    refresh_schedule=schedule, factor_matrix_dtype=torch.float64)
+    sampled = _params(shapes, torch.float64)
+    opt = _run(sampled, grads, statistics_frequency=2, **settings)
+    offsets = {}
+    for row in opt.describe_blocks():
+        offsets[(row["param_index"], row["block"])] = row["refresh_offset"]
+    assert schedule == "all" or any(offsets.values()), offsets
+    # every block is one whole parameter here: zero each parameter's skipped gradients
+    masked = [[g if (t - offsets[(i, 0)]) % 2 == 0 else torch.zeros_like(g)
+               for i, g in enumerate(step)]
+              for t, step in enumerate(grads, start=1)]
+    every = _params(shapes, torch.float64)
+    reference = _run(every, masked, **settings)
+    for i in range(len(shapes)):
+        ours, theirs = _sketch_state(opt, i), _sketch_state(reference, i)
+        assert ours
+        for name in ours:
+            torch.testing.assert_close(ours[name].abs(), theirs[name].abs(), rtol=1e-9,
+                                       atol=1e-9)
+    # the sketches did skip gradients: they differ from a run that takes all of them
+    full = _run(_params(shapes, torch.float64), grads, **settings)
+    name = "block_0.sketch_values_0"
+    assert not torch.allclose(_sketch_state(opt, 0)[name], _sketch_state(full, 0)[name])

@@ -66,6 +66,9 @@ class Preconditioner:
     # the kind whose d × d factors this kind keeps as low-rank sketches (sketchy: "shampoo"),
     # what make_optimizer(memory="sketch") turns that kind into; None for the others
     sketches: str | None = None
+    # whether its statistics can be taken every statistics_frequency steps without 4-bit
+    # state (sketchy: the reference's update_freq)
+    samples_statistics: bool = False
     # the Trainer's AdamW migration: True for a kind whose own epsilon is Adam's and which
     # is not grafted by default there (SOAP)
     adam_like: bool = False
@@ -136,14 +139,17 @@ class Preconditioner:
                  "pseudo-inverse drops the directions at or below the rank cutoff instead "
                  "of adding epsilon)")
         quantized = group["quantization"] == "4bit"
-        for key, what in (("statistics_frequency", "how often 4-bit factors are sampled"),
+        for key, what in (("statistics_frequency", "how often 4-bit factors or sketches "
+                                                   "are sampled"),
                           ("statistics_warmup", "how many first steps sample every gradient "
                                                 "into 4-bit factors")):
-            if not quantized and group[key] is not None:
+            sampled = key == "statistics_frequency" and self.samples_statistics
+            if not quantized and not sampled and group[key] is not None:
+                also = " or preconditioner='sketchy'" if key == "statistics_frequency" else ""
                 fail(key, group[key], f"it sets {what}: expected None unless "
-                     "quantization='4bit' (32-bit factors take every gradient)")
+                     f"quantization='4bit'{also} (32-bit factors take every gradient)")
         every = group["statistics_frequency"]
-        if quantized and every is not None and f % every != 0:
+        if (quantized or self.samples_statistics) and every is not None and f % every != 0:
             fail("statistics_frequency", every,
                  f"expected None or a divisor of precondition_frequency ({f})")
         if quantized and group["factor_matrix_dtype"] != torch.float32:

@@ -67,7 +67,9 @@ FACTORED_KEYWORDS = (
             "with `quantization=\"4bit\"`: take a gradient sample into the 4-bit factors "
             "every this many steps (a divisor of `precondition_frequency`; `None` → at "
             "refresh steps only; required with `\"eigenvalue_corrected\"`, where 1 is what "
-            "was measured to work)")),
+            "was measured to work); with `preconditioner=\"sketchy\"`: the sketches take "
+            "the gradient every this many steps and at refreshes (the reference's "
+            "`update_freq`; `None` → every step; the full factors take every gradient)")),
     Keyword("statistics_warmup", None, int, integer(0), doc=(
             "with `quantization=\"4bit\"`: the first this many steps of each block's schedule"
             " take every gradient into the 4-bit factors (a decomposition each, once); "

@@ -64,6 +64,7 @@ class Sketchy(Shampoo):
     root_dtype = coupled_roots = diagonal_factors = inverse_roots = False
     not_quantizable_because = NOT_QUANTIZABLE
     sketches = "shampoo"  # make_optimizer(memory="sketch") turns Shampoo's groups into these
+    samples_statistics = True  # statistics_frequency: the reference's update_freq
 
     # ------------------------------------------------------------------ which dims
     @staticmethod
@@ -98,7 +99,8 @@ class Sketchy(Shampoo):
             d = shape[j]
             if j in sketched:
                 k, m = self.rank(group, d), numel // d
-                flops += 4.0 * k * numel + 10.0 * d * (k + m) * min(d, k + m)
+                every = group.get("statistics_frequency") or 1
+                flops += 4.0 * k * numel + 10.0 * d * (k + m) * min(d, k + m) / every
             else:
                 flops += 4.0 * d * numel + 10.0 * d**3 / frequency
         return flops
@@ -147,6 +149,20 @@ class Sketchy(Shampoo):
                                      what="Frequent-Directions SVD")
         return out
 
+    @staticmethod
+    def sample_rows(job) -> list[int] | None:
+        """Rows whose sketches take this step's gradient (None: all): with
+        ``statistics_frequency = s``, those whose own step (the step minus the row's refresh
+        offset) is a multiple of ``s``, and those refreshing (whose roots are taken from the
+        sketch this step, whichever process or stack computes them)."""
+        every = job.group["statistics_frequency"]
+        if every is None or every == 1:
+            return None
+        offsets = job.offsets or [0] * job.grad.shape[0]
+        refresh = set(job.refresh_rows)
+        return [r for r, offset in enumerate(offsets)
+                if (job.step - offset) % every == 0 or r in refresh]
+
     def checked_factors(self, stack, job) -> dict[str, Tensor]:
         """Shampoo's full factors and the updated sketches of the refreshing rows, out of
         place: checked for non-finite values before anything changes, adopted by
@@ -166,8 +182,15 @@ class Sketchy(Shampoo):
                 state[name].copy_(value)
             return
         super().update_statistics(stack, job, g, scratch)
-        for name, value in self._sketches(stack, job, g, None, count=True).items():
-            state[name].copy_(value)
+        rows = self.sample_rows(job)
+        if rows == []:
+            return
+        index = None if rows is None else torch.tensor(rows, device=g.device)
+        for name, value in self._sketches(stack, job, g, rows, count=True).items():
+            if index is None:
+                state[name].copy_(value)
+            else:
+                state[name].index_copy_(0, index, value)
 
     # ------------------------------------------------------------------ refresh
     def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
