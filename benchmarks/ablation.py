@@ -88,9 +88,10 @@ OPTIMIZERS = {
     "Shampoo (Adam grafting)": Optimizer("shampoo", SHAMPOO,
                                          tasks=("resnet", "gpt2", "lora", "finetune")),
     # LoRA through the module rules, as the Trainer and make_optimizer build it: each
-    # adapter's long side (d of d x r) gets a diagonal factor, the short side a full one
-    "Shampoo (Adam grafting, module rules)": Optimizer("shampoo_modules", SHAMPOO,
-                                                       tasks=("lora",)),
+    # adapter's long side (d of d x r) gets a diagonal factor, the short side a full one;
+    # Meta's refresh schedule, as the other rows (make_optimizer's default is "staggered")
+    "Shampoo (Adam grafting, module rules)": Optimizer(
+        "shampoo_modules", dict(SHAMPOO, refresh_schedule="all"), tasks=("lora",)),
     "SOAP (eigenvalue-corrected)": Optimizer("shampoo", SOAP,
                                              tasks=("resnet", "gpt2", "lora", "finetune")),
     "KL-Shampoo (Adam grafting)": Optimizer("shampoo", dict(SHAMPOO, preconditioner="kl_shampoo")),
@@ -101,6 +102,12 @@ OPTIMIZERS = {
                                                          sketch_rank=k, epsilon=1e-7),
                                          tasks=("gpt2", "finetune"), default=False)
        for k in (8, 16)},
+    # the sketches sampled every s steps (the reference's update_freq; s divides the
+    # refresh period 10; 10: at refreshes only): the SVDs' cost divided by s
+    **{f"Sketchy (rank 16, statistics every {s})": Optimizer(
+        "shampoo", dict(SHAMPOO, preconditioner="sketchy", sketch_rank=16, epsilon=1e-7,
+                        statistics_frequency=s), tasks=("gpt2", "finetune"), default=False)
+       for s in (2, 5, 10)},
     "4-bit Shampoo (statistics every 2)": Optimizer(
         "shampoo", dict(SHAMPOO, quantization="4bit", statistics_frequency=2)),
     # 4-bit cadences beyond the default table (docs/design.md §5): run when named in --optimizers

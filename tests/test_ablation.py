@@ -144,6 +144,26 @@ def test_lora_task_fine_tunes_adapters_with_each_optimizers_state_measured(tmp_p
     assert "trained 3 steps with AdamW" in stdout and "| optimizer state MiB |" in stdout
 
 
+def test_finetune_task_trains_every_parameter_from_the_lora_tasks_base(tmp_path):
+    """The full fine-tune: every optimizer starts from the LoRA task's pre-trained GPT-2 (one
+    first loss, the base's validation loss in the title), every parameter trains, and the
+    state covers them all (AdamW's: two numbers per parameter)."""
+    out = tmp_path / "finetune"
+    stdout = run_script("--tasks", "finetune", "--steps", "3", "--lora-base-steps", "3",
+                        "--seeds", "1", "--lr-points", "1", "--max-lr-points", "1",
+                        "--text-batch-size", "2", "--val-windows", "4", "--gpt2-width", "32",
+                        "--optimizers", "AdamW", "Sketchy (rank 8)", "--out", str(out))
+    record = json.loads((out / "ablation.json").read_text())["records"][0]
+    assert record["task"] == "finetune" and list(record["runs"]) == ["AdamW", "Sketchy (rank 8)"]
+    runs = {name: runs[0] for name, runs in record["runs"].items()}
+    assert len({run["losses"][0] for run in runs.values()}) == 1
+    base = ablation.lora_base(32, 3, 2)
+    size = sum(p.numel() for p in base.parameters())
+    assert f"full fine-tune (all {size / 1e3:.0f}k parameters)" in stdout
+    assert runs["AdamW"]["metrics"]["optimizer state MiB"] == pytest.approx(
+        2 * 4 * size / 2**20, rel=1e-3)
+
+
 def test_docstrings_are_prose_from_the_same_modules():
     train, val = tasks.docstring_tokens()
     text = bytes(train[:20000].byte().tolist()).decode()
