@@ -187,3 +187,33 @@ def test_trainer_optim_args_memory_sketch(tmp_path):
     with pytest.raises(ValueError, match="memory='sketch' with preconditioner="
                                          "'eigenvalue_corrected'"):
         hft.validate_args(bad)
+
+
+def test_statistics_frequency_goes_to_the_sketched_groups_alone(tmp_path):
+    """``statistics_frequency`` with ``memory="sketch"`` says how often the sketches take the
+    gradient: the sketchy groups get it, the Adam and diagonal-long-side groups (which it
+    would refuse) do not; through the Trainer as well; a non-divisor of the refresh period
+    is refused naming it."""
+    model, optimizer = build(tiny_gpt2, "sketch", precondition_frequency=10,
+                             statistics_frequency=5)
+    every = {g["preconditioner"]: g["statistics_frequency"] for g in optimizer.param_groups}
+    assert every["sketchy"] == 5 and every["diagonal"] is None
+    for _ in range(3):
+        one_step(model, optimizer)
+    with pytest.raises(ValueError, match=r"statistics_frequency=3.*divisor of "
+                                         r"precondition_frequency \(10\)"):
+        build(tiny_gpt2, "sketch", precondition_frequency=10, statistics_frequency=3)
+    import hf_shampoo.integrations.transformers as hft
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], optim="distributed_shampoo",
+        optim_args=f"memory=sketch,sketch_rank={RANK},statistics_frequency=2,"
+                   "precondition_frequency=10")
+    trained = hft.create_optimizer(tiny_gpt2(), args)
+    assert {g["preconditioner"]: g["statistics_frequency"] for g in trained.param_groups
+            }["sketchy"] == 2
+    bad = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], optim="distributed_shampoo",
+        optim_args="memory=sketch,statistics_frequency=3,precondition_frequency=10")
+    with pytest.raises(ValueError, match="statistics_frequency=3"):
+        hft.validate_args(bad)

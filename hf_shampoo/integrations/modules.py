@@ -565,8 +565,8 @@ def check_memory(memory: Any, where: str = "make_optimizer memory") -> None:
                          f"{did_you_mean(str(memory), MEMORY)}")
 
 
-def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
-                  ) -> list[dict[str, Any]]:
+def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any],
+                  statistics_frequency: int | None = None) -> list[dict[str, Any]]:
     """``memory="sketch"``: the groups of ``param_groups`` (over the optimizer-level
     ``defaults``) with every Shampoo group turned into ``preconditioner="sketchy"``
     (docs/sketchy.md).
@@ -579,7 +579,8 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
     (``diagonal``, ``spectral_descent``, ``sign_descent``, ``riemannian_lora``) keep theirs.
     The other Kronecker-factored kinds (``eigenvalue_corrected``, ``kl_shampoo``, the
     eigendecomposed ones) have no sketched form and 4-bit factors are another way to store
-    Shampoo's: both are refused with a ``ValueError``."""
+    Shampoo's: both are refused with a ``ValueError``. ``statistics_frequency`` (how often the
+    sketches take the gradient) goes to the sketched groups alone."""
     # the kinds with a sketched form, and that form (the kinds say: ``Sketchy.sketches``)
     sketched = {kind.sketches: name for name, kind in KINDS.items() if kind.sketches}
     base = {**DEFAULTS, **defaults}
@@ -603,6 +604,8 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
                 "choose one (memory='full' keeps 4-bit factors)")
         if kind in sketched and effective.get("diagonal_aspect") is None:
             group = {**group, "preconditioner": sketched[kind]}
+            if statistics_frequency is not None:
+                group["statistics_frequency"] = statistics_frequency
         elif kind not in sketched and KINDS[kind].statistics and not KINDS[kind].sketches:
             forms = ", ".join(f"{k!r} → {v!r}" for k, v in sketched.items())
             raise ValueError(
@@ -671,7 +674,10 @@ def make_optimizer(
         vocab_size=vocab_size,
     )
     if memory == "sketch":
-        groups = sketch_groups(groups, shampoo_kwargs)
+        every = None
+        if shampoo_kwargs.get("quantization") is None:  # a sketch keyword: not the others'
+            every = shampoo_kwargs.pop("statistics_frequency", None)
+        groups = sketch_groups(groups, shampoo_kwargs, every)
         try:
             optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
         except ValueError as error:  # a keyword sketchy refuses, which the user did not name

@@ -285,6 +285,15 @@ def trainer_defaults(args: Any, preset: str | None = None) -> dict[str, Any]:
     return defaults
 
 
+def sketch_statistics_frequency(memory: str, user: dict[str, Any]) -> int | None:
+    """With ``memory=sketch`` (and no 4-bit state), ``statistics_frequency`` says how often
+    the sketches take the gradient: taken out of ``user`` for the sketched groups alone
+    (``sketch_groups``), which the other kinds would refuse."""
+    if memory != "sketch" or user.get("quantization") is not None:
+        return None
+    return user.pop("statistics_frequency", None)
+
+
 def resolve_kwargs(args: Any, *chosen: Mapping[str, Any], preset: str | None = None
                    ) -> dict[str, Any]:
     """``trainer_defaults(args, preset)`` updated by the user's keywords (``optim_args``,
@@ -325,9 +334,13 @@ def validate_args(args: Any, model: torch.nn.Module | None = None,
             "optim_args on every comma, so write ';' there, e.g. betas=(0.9;0.999)"
         )
     parsed = parse_optim_args(text)
-    kwargs = resolve_kwargs(args, parsed.kwargs, preset=chosen_preset(args, parsed, preset))
+    user = dict(parsed.kwargs)
+    every = sketch_statistics_frequency(parsed.memory, user)
+    kwargs = resolve_kwargs(args, user, preset=chosen_preset(args, parsed, preset))
     if parsed.memory == "sketch":  # a model-wide kind or keyword memory=sketch refuses
-        sketch_groups([{}], kwargs)
+        sketched = sketch_groups([{}], kwargs, every)[0]
+        if every is not None:  # e.g. not a divisor of the refresh period
+            validate_group({**DEFAULTS, **kwargs, **sketched})
     for pattern, keywords in parsed.overrides.items():
         check_override(pattern, keywords)
     if model is not None:
@@ -355,6 +368,7 @@ def _build(
     parsed = parse_optim_args(getattr(args, "optim_args", None))
     preset = chosen_preset(args, parsed, preset)
     user = {**parsed.kwargs, **(shampoo_kwargs or {})}
+    every = sketch_statistics_frequency(parsed.memory, user)
     kwargs = resolve_kwargs(args, user, preset=preset)
     groups: list[dict[str, Any]] = [{}]  # the Trainer's groups: the optimizer's keywords
     if model is not None:
@@ -371,9 +385,9 @@ def _build(
             defaults=groups_defaults,
         )
         if parsed.memory == "sketch":
-            groups = kwargs["params"] = sketch_groups(groups, groups_defaults)
+            groups = kwargs["params"] = sketch_groups(groups, groups_defaults, every)
     elif parsed.memory == "sketch":  # the Trainer's two groups: the optimizer's keywords
-        kwargs.update(sketch_groups([{}], kwargs)[0])
+        kwargs.update(sketch_groups([{}], kwargs, every)[0])
     base = {k: v for k, v in kwargs.items() if k != "params"}
     inert = inert_keywords(user, [{**DEFAULTS, **base, **g} for g in groups])
     if inert:
