@@ -58,6 +58,9 @@ KINDS: dict[str, dict[str, Any]] = {
     "compiled": dict(grafting="adam", momentum=0.5, compile={"backend": "aot_eager"}),
     "sketchy": dict(preconditioner="sketchy", grafting="adam", sketch_rank=3,
                     sketch_threshold=4),
+    # sketches sampled every precondition_frequency steps of each block's own schedule
+    "sketchy_sampled": dict(preconditioner="sketchy", grafting="adam", sketch_rank=3,
+                            sketch_threshold=4, refresh_schedule="staggered"),
 }
 #: kinds drawn rarely (each costs seconds per rank: a compile)
 RARE = {"compiled": 0.1}
@@ -102,6 +105,8 @@ def draw_config(rng: random.Random, kind: str | None = None,
         config["start_preconditioning_step"] = rng.choice([frequency, frequency + 1])
         if config.get("refresh_schedule") == "staggered" or kind.startswith("shampoo_4bit"):
             config.pop("start_preconditioning_step")  # staggered: its own start per block
+        if kind == "sketchy_sampled":
+            config["statistics_frequency"] = frequency
     if rng.random() < 0.5:
         config["weight_decay"] = rng.choice([0.01, 0.05])
         types = ["decoupled", "l2", "corrected"]
