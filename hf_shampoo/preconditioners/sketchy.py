@@ -144,8 +144,11 @@ class Sketchy(Shampoo):
             x = unfold(g if rows is None else g[rows], j)
             basis, values, mass, ok = frequent_directions(basis, values, mass, x, beta2)
             out.update(zip(names, (basis, values, mass)))
-            if count:
-                stack.count_failures(f"sketch_basis_{j}", torch.tensor(ok), members, job.step,
+            name = f"sketch_basis_{j}"
+            # (only after a failure: a steady step reads nothing on the host)
+            if count and (not all(ok) or any(stack.failures.get(name, ()))):
+                flags = torch.tensor(ok, device="cpu")  # bookkeeping: on the CPU
+                stack.count_failures(name, flags, members, job.step,
                                      what="Frequent-Directions SVD")
         return out
 
