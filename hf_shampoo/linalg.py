@@ -101,17 +101,23 @@ def _eigh_into(matrices: Tensor, values: Tensor, vectors: Tensor) -> None:
     torch.linalg.eigh(matrices, out=(values, vectors))
 
 
-def _eigh_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
-    """One matrix: try its own dtype, then float64 (docs/design.md §2: the float64 retry);
-    None if both fail."""
+def _retried(decompose: Callable, matrix: Tensor) -> tuple[Tensor, ...] | None:
+    """``decompose(matrix)`` in the matrix's dtype, then in float64 (docs/design.md §2: the
+    float64 retry), its results in the matrix's dtype; None if both raise or give
+    non-finite values."""
     for dtype in dict.fromkeys((matrix.dtype, torch.float64)):
         try:
-            values, vectors = torch.linalg.eigh(matrix.to(dtype))
+            results = decompose(matrix.to(dtype))
         except RuntimeError:  # torch.linalg.LinAlgError derives from RuntimeError
             continue
-        if all_finite(values) and all_finite(vectors):
-            return values.to(matrix.dtype), vectors.to(matrix.dtype)
+        if all(all_finite(t) for t in results):
+            return tuple(t.to(matrix.dtype) for t in results)
     return None
+
+
+def _eigh_one(matrix: Tensor) -> tuple[Tensor, ...] | None:
+    """One matrix's ``(eigenvalues, eigenvectors)``, retried in float64; None if both fail."""
+    return _retried(torch.linalg.eigh, matrix)
 
 
 @dataclass
@@ -138,31 +144,16 @@ def batched_svd(matrices: Tensor) -> Svd:
         return Svd(u, s, [True] * n)
     except RuntimeError:  # torch.linalg.LinAlgError derives from RuntimeError
         pass
-    u.zero_()
-    s.zero_()
-    ok = []
-    for i in range(n):
-        result = _svd_one(matrices[i])
-        ok.append(result is not None)
-        if result is not None:
-            u[i], s[i] = result
-    return Svd(u, s, ok)
+    return Svd(u.zero_(), s.zero_(), _each(_svd_one, matrices, (u, s)))
 
 
 def _svd_into(matrices: Tensor, u: Tensor, s: Tensor, vh: Tensor) -> None:
     torch.linalg.svd(matrices, full_matrices=False, out=(u, s, vh))
 
 
-def _svd_one(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
-    """One matrix's thin SVD ``(U, S)``: its own dtype, then float64; None if both fail."""
-    for dtype in dict.fromkeys((matrix.dtype, torch.float64)):
-        try:
-            u, s, _ = torch.linalg.svd(matrix.to(dtype), full_matrices=False)
-        except RuntimeError:  # torch.linalg.LinAlgError derives from RuntimeError
-            continue
-        if all_finite(u) and all_finite(s):
-            return u.to(matrix.dtype), s.to(matrix.dtype)
-    return None
+def _svd_one(matrix: Tensor) -> tuple[Tensor, ...] | None:
+    """One matrix's thin SVD ``(U, S)``, retried in float64; None if both fail."""
+    return _retried(lambda m: torch.linalg.svd(m, full_matrices=False)[:2], matrix)
 
 
 def batched_eigh(matrices: Tensor, vectors_out: Tensor | None = None) -> Eigh:
@@ -208,13 +199,20 @@ def _eigh_each(matrices: Tensor) -> Eigh:
     n, d = matrices.shape[0], matrices.shape[-1]
     values = matrices.new_ones(n, d)
     vectors = torch.eye(d, dtype=matrices.dtype, device=matrices.device).repeat(n, 1, 1)
+    return Eigh(values, vectors, _each(_eigh_one, matrices, (values, vectors)))
+
+
+def _each(one: Callable, matrices: Tensor, outputs: tuple[Tensor, ...]) -> list[bool]:
+    """``one`` (``_eigh_one``, ``_svd_one``) on each matrix of the stack alone, its results
+    written into ``outputs`` row by row (a failed matrix's rows keep their placeholders);
+    which succeeded."""
     ok = []
-    for i in range(n):
-        result = _eigh_one(matrices[i])
+    for i in range(matrices.shape[0]):
+        result = one(matrices[i])
         ok.append(result is not None)
-        if result is not None:
-            values[i], vectors[i] = result
-    return Eigh(values, vectors, ok)
+        for out, value in zip(outputs, result or ()):
+            out[i] = value
+    return ok
 
 
 def regularized_eigenvalues(eigenvalues: Tensor, epsilon: float) -> Tensor:
