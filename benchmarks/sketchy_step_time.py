@@ -92,7 +92,7 @@ def main(argv=None) -> None:
             for t in range(F + 1, F + 1 + max(args.steady, runner.every)):
                 (runner.steady if t % runner.every == 0 else runner.skipped).append(
                     runner.step())
-    print(f"`{command_line()}`; {hardware()}, {args.threads} thread(s); load {load_average()}")
+    print(f"`{command_line()}`; {hardware()}")
     print(f"\n{len(shapes)} parameters, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.2f}M "
           f"elements, blocks of {block}; medians of {args.rounds} rounds\n")
     base = None
@@ -106,6 +106,7 @@ def main(argv=None) -> None:
         print(table_row(runner.name, f"{median(runner.steady) * 1e3:.1f}", skipped,
                         f"{median(runner.refresh) * 1e3:.1f}", f"{mean * 1e3:.1f}",
                         f"{mean / base:.2f}×"))
+    print(load_average())
 
 
 if __name__ == "__main__":
