@@ -102,6 +102,11 @@ OPTIMIZERS = {
                                                          sketch_rank=k, epsilon=1e-7),
                                          tasks=("gpt2", "finetune"), default=False)
        for k in (8, 16)},
+    # the sketches' bases in 4 bits (quantization="4bit", as 4-bit Shampoo's eigenvectors)
+    **{f"Sketchy (rank {k}, 4-bit)": Optimizer(
+        "shampoo", dict(SHAMPOO, preconditioner="sketchy", sketch_rank=k, epsilon=1e-7,
+                        quantization="4bit"), tasks=("gpt2", "finetune"), default=False)
+       for k in (16, 32, 64)},
     # the sketches sampled every s steps (the reference's update_freq; s divides the
     # refresh period 10; 10: at refreshes only): the SVDs' cost divided by s
     **{f"Sketchy (rank 16, statistics every {s})": Optimizer(

@@ -58,6 +58,8 @@ KINDS: dict[str, dict[str, Any]] = {
     "compiled": dict(grafting="adam", momentum=0.5, compile={"backend": "aot_eager"}),
     "sketchy": dict(preconditioner="sketchy", grafting="adam", sketch_rank=3,
                     sketch_threshold=4),
+    "sketchy_4bit": dict(preconditioner="sketchy", grafting="adam", sketch_rank=3,
+                         sketch_threshold=4, quantization="4bit", epsilon=1e-7),
     # sketches sampled every precondition_frequency steps of each block's own schedule
     "sketchy_sampled": dict(preconditioner="sketchy", grafting="adam", sketch_rank=3,
                             sketch_threshold=4, refresh_schedule="staggered"),

@@ -132,7 +132,6 @@ def test_bad_memory_is_refused_before_anything_is_built(monkeypatch):
     ({"preconditioner": "eigenvalue_corrected"}, "memory='sketch' with preconditioner="
                                                  "'eigenvalue_corrected'"),
     ({"preconditioner": "kl_shampoo"}, "memory='sketch' with preconditioner='kl_shampoo'"),
-    ({"quantization": "4bit"}, "memory='sketch' with quantization='4bit'"),
     ({"diagonal_aspect": 16.0}, "memory='sketch' with diagonal_aspect=16.0 for the whole model"),
 ])
 def test_kinds_without_a_sketched_form_are_refused(keywords, message):
@@ -217,3 +216,19 @@ def test_statistics_frequency_goes_to_the_sketched_groups_alone(tmp_path):
         optim_args="memory=sketch,statistics_frequency=3,precondition_frequency=10")
     with pytest.raises(ValueError, match="statistics_frequency=3"):
         hft.validate_args(bad)
+
+
+def test_memory_sketch_with_4bit_keeps_the_sketches_in_4_bits():
+    """``memory="sketch", quantization="4bit"``: the sketched groups keep their bases in 4
+    bits (smaller state than 32-bit sketches), the groups left unsketched keep 4-bit
+    factors, and it trains."""
+    model, four = build(tiny_gpt2, "sketch", quantization="4bit")
+    other, thirty_two = build(tiny_gpt2, "sketch")
+    assert labels(four) == labels(thirty_two)
+    one_step(model, four)
+    one_step(other, thirty_two)
+    state = {k for entry in four.state_dict()["state"].values() for k in entry}
+    assert any(k.endswith("sketch_basis_0_codes") for k in state)
+    assert not any(k.endswith("sketch_basis_0") for k in state)
+    assert (four.metrics()["optimizer/state_bytes"]
+            < thirty_two.metrics()["optimizer/state_bytes"])

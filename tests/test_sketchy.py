@@ -85,7 +85,6 @@ def test_low_rank_sketch_differs_from_shampoo_and_keeps_escaped_mass():
     (dict(sketch_rank=2.5), "sketch_rank"),
     (dict(sketch_threshold=-1), "sketch_threshold"),
     (dict(sketch_relative_epsilon="yes"), "sketch_relative_epsilon"),
-    (dict(quantization="4bit"), "quantization"),
     (dict(root_inverse="coupled_newton"), "root_inverse"),
     (dict(inv_factor_matrix_dtype=torch.bfloat16), "inv_factor_matrix_dtype"),
     (dict(diagonal_aspect=4.0), "diagonal_aspect"),
@@ -95,10 +94,8 @@ def test_low_rank_sketch_differs_from_shampoo_and_keeps_escaped_mass():
     (dict(statistics_warmup=2), "statistics_warmup"),
 ])
 def test_bad_keywords_are_clear_errors(keywords, name):
-    with pytest.raises(ValueError, match=name) as raised:
+    with pytest.raises(ValueError, match=name):
         DistributedShampoo(_params([(8, 8)]), preconditioner="sketchy", **keywords)
-    if name == "quantization":
-        assert "'shampoo'" in str(raised.value) and "'sketchy'" in str(raised.value)
 
 
 def test_state_is_order_d_times_k():
@@ -135,15 +132,16 @@ def test_stacked_blocks_equal_separate_runs(max_dim):
             torch.testing.assert_close(together[i], alone[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("schedule,every", [("all", None), ("staggered", None),
-                                            ("staggered", 3)])
-def test_checkpoint_resumes_exactly(schedule, every):
+@pytest.mark.parametrize("schedule,every,bits", [("all", None, None),
+                                                 ("staggered", None, None),
+                                                 ("staggered", 3, None), ("all", None, "4bit")])
+def test_checkpoint_resumes_exactly(schedule, every, bits):
     shapes = [(40, 24), (40, 24), (24,), (6, 5, 30)]
     grads = _grads(shapes, 8)
     settings = dict(preconditioner="sketchy", sketch_rank=5, sketch_threshold=8,
                     grafting="adam", lr=0.05, momentum=0.3, precondition_frequency=3,
                     betas=(0.9, 0.99), refresh_schedule=schedule, max_preconditioner_dim=40,
-                    statistics_frequency=every)
+                    statistics_frequency=every, quantization=bits)
     straight = _params(shapes)
     _run(straight, grads, **settings)
     first = _params(shapes)
@@ -300,3 +298,43 @@ def test_statistics_frequency_samples_the_sketches(schedule):
     full = _run(_params(shapes, torch.float64), grads, **settings)
     name = "block_0.sketch_values_0"
     assert not torch.allclose(_sketch_state(opt, 0)[name], _sketch_state(full, 0)[name])
+
+
+def test_4bit_bases_are_the_sketches_stored_in_4_bits(monkeypatch):
+    """``quantization="4bit"``: the sketches' and roots' bases are kept as 4-bit codes and
+    scales of their directions (the values, escaped mass and full dims' factors float32),
+    and the run is the 32-bit algorithm whose every new basis goes through 4-bit storage
+    (quantised, dequantised, one Björck step: benchmarks/sketch_4bit_probe.py), to float32
+    rounding; the bases' bytes are about 7 times fewer."""
+    from hf_shampoo import quantization
+    from hf_shampoo.preconditioners import sketchy
+
+    shapes = [(40, 24), (40, 24), (24,), (6, 5, 30)]
+    grads = _grads(shapes, 8)
+    settings = dict(preconditioner="sketchy", sketch_rank=5, sketch_threshold=8,
+                    grafting="adam", lr=0.05, precondition_frequency=3, betas=(0.9, 0.99),
+                    max_preconditioner_dim=40, epsilon=1e-7)
+    four = _params(shapes)
+    opt = _run(four, grads, quantization="4bit", **settings)
+    state = opt.state_dict()["state"][0]
+    assert state["block_0.sketch_basis_0_codes"].dtype == torch.uint8
+    assert state["block_0.sketch_basis_0_codes"].shape == (5, 32)  # 5 directions of 40
+    assert state["block_0.sketch_values_0"].dtype == torch.float32
+    update = sketchy.frequent_directions
+
+    def through_4_bits(basis, values, mass, x, beta2):
+        basis, values, mass, ok = update(basis, values, mass, x, beta2)
+        rows = quantization.dequantize(quantization.quantize(basis.mT))
+        return quantization.bjorck(rows, 1).mT, values, mass, ok
+
+    monkeypatch.setattr(sketchy, "frequent_directions", through_4_bits)
+    simulated = _params(shapes)
+    _run(simulated, grads, **settings)
+    monkeypatch.undo()
+    exact = _params(shapes)
+    thirty_two = _run(exact, grads, **settings)
+    for a, b, c in zip(four, simulated, exact):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(a, c, rtol=1e-5, atol=1e-6)  # 4 bits did change it
+    small = opt.metrics()["optimizer/state_bytes"]
+    assert small < thirty_two.metrics()["optimizer/state_bytes"]

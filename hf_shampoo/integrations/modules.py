@@ -578,9 +578,10 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any],
     refused, as it would leave nothing sketched. The kinds without Kronecker factors
     (``diagonal``, ``spectral_descent``, ``sign_descent``, ``riemannian_lora``) keep theirs.
     The other Kronecker-factored kinds (``eigenvalue_corrected``, ``kl_shampoo``, the
-    eigendecomposed ones) have no sketched form and 4-bit factors are another way to store
-    Shampoo's: both are refused with a ``ValueError``. ``statistics_frequency`` (how often the
-    sketches take the gradient) goes to the sketched groups alone."""
+    eigendecomposed ones) have no sketched form: refused with a ``ValueError``. With
+    ``quantization="4bit"`` the sketches' bases are kept in 4 bits (and the groups left
+    unsketched keep 4-bit factors). ``statistics_frequency`` (how often the sketches take
+    the gradient) goes to the sketched groups alone."""
     # the kinds with a sketched form, and that form (the kinds say: ``Sketchy.sketches``)
     sketched = {kind.sketches: name for name, kind in KINDS.items() if kind.sketches}
     base = {**DEFAULTS, **defaults}
@@ -597,11 +598,6 @@ def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any],
         params = list(group.get("params", []))
         names = [p[0] for p in params[:3] if isinstance(p, tuple)]
         where = f" (for {', '.join(names)}{', ...' if len(params) > 3 else ''})" if names else ""
-        if kind in sketched and effective.get("quantization") is not None:
-            raise ValueError(
-                f"hf_shampoo: make_optimizer memory='sketch' with quantization="
-                f"{effective['quantization']!r}{where}: two ways to store the same factors; "
-                "choose one (memory='full' keeps 4-bit factors)")
         if kind in sketched and effective.get("diagonal_aspect") is None:
             group = {**group, "preconditioner": sketched[kind]}
             if statistics_frequency is not None:

@@ -62,7 +62,9 @@ FACTORED_KEYWORDS = (
             "state](memory.md)). For `\"shampoo\"`, `\"eigendecomposed_shampoo\"` (its "
             "criterion then decides at each sample whether the kept, dequantised basis "
             "stays) and `\"eigenvalue_corrected\"` (no effect with `\"diagonal\"`; refused for "
-            "the KL kinds, whose statistics take every step's preconditioned gradient)")),
+            "the KL kinds, whose statistics take every step's preconditioned gradient). With "
+            "`\"sketchy\"`: the sketches' and roots' `d × k` bases in 4 bits, every size "
+            "(the sketches still take every gradient; [Sketchy](sketchy.md))")),
     Keyword("statistics_frequency", None, int, integer(1), doc=(
             "with `quantization=\"4bit\"`: take a gradient sample into the 4-bit factors "
             "every this many steps (a divisor of `precondition_frequency`; `None` → at "

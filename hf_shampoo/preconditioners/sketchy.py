@@ -34,14 +34,11 @@ import math
 import torch
 from torch import Tensor
 
-from .. import linalg
+from .. import linalg, quantization
 from ..keywords import Keyword, boolean, fail, integer
 from ..kronecker import _bmm, unfold
 from ..stages import Scratch, second_moment_bias
 from .shampoo import Shampoo
-
-NOT_QUANTIZABLE = ("its sketches are d × k bases already; 4-bit state exists only for full "
-                   "factors")
 
 SKETCHY_KEYWORDS = (
     Keyword("sketch_rank", 128, int, integer(1), scope=frozenset({"layout"}), doc=(
@@ -62,7 +59,9 @@ class Sketchy(Shampoo):
     keywords = SKETCHY_KEYWORDS
     # the full dims are Shampoo's, without the options that need every dim to be a full root
     root_dtype = coupled_roots = diagonal_factors = inverse_roots = False
-    not_quantizable_because = NOT_QUANTIZABLE
+    # quantization="4bit": the sketches' bases (and the roots' bases) in 4 bits, as 4-bit
+    # Shampoo's eigenvectors (quantization.py; one Björck step on loading); the rest float32
+    not_quantizable_because = None
     sketches = "shampoo"  # make_optimizer(memory="sketch") turns Shampoo's groups into these
     samples_statistics = True  # statistics_frequency: the reference's update_freq
 
@@ -84,6 +83,10 @@ class Sketchy(Shampoo):
 
     def check(self, group: dict) -> None:
         super().check(group)
+        if group["statistics_warmup"] is not None:
+            fail("statistics_warmup", group["statistics_warmup"], "it sets the warm-up of "
+                 "4-bit factors; a sketch takes every gradient unless statistics_frequency "
+                 "says otherwise: expected None with preconditioner='sketchy'")
         if group["eigendecomposition"] == "qr" and group["sketch_threshold"] == 0:
             fail("eigendecomposition", "qr", "with sketch_threshold=0 every dim is sketched "
                  "and there is no factor to refresh by QR: expected 'eigh'")
@@ -109,15 +112,18 @@ class Sketchy(Shampoo):
     def state_shapes(self, stack, group: dict) -> dict:
         shapes = super().state_shapes(stack, group)
         dtype = group["factor_matrix_dtype"]
+        quantized = group["quantization"] == "4bit"
         for j in self.sketched_dims(stack.shape, group):
             d = stack.shape[j]
             k = self.rank(group, d)
-            shapes[f"sketch_basis_{j}"] = ((d, k), dtype)
-            shapes[f"sketch_values_{j}"] = ((k,), dtype)
-            shapes[f"sketch_escaped_mass_{j}"] = ((), dtype)
-            shapes[f"sketch_root_basis_{j}"] = ((d, k), dtype)
-            shapes[f"sketch_root_values_{j}"] = ((k,), dtype)
-            shapes[f"sketch_root_tail_{j}"] = ((), dtype)
+            for prefix, rest in (("sketch", "escaped_mass"), ("sketch_root", "tail")):
+                name = f"{prefix}_basis_{j}"
+                if quantized:  # the k directions as rows of d, in 4 bits
+                    shapes.update(quantization.state_shapes(name, k, d))
+                else:
+                    shapes[name] = ((d, k), dtype)
+                shapes[f"{prefix}_values_{j}"] = ((k,), dtype)
+                shapes[f"{prefix}_{rest}_{j}"] = ((), dtype)
         return shapes
 
     def initial_state(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, n: int,
@@ -140,7 +146,8 @@ class Sketchy(Shampoo):
         out = {}
         for j in self.sketched_dims(stack.shape, group):
             names = (f"sketch_basis_{j}", f"sketch_values_{j}", f"sketch_escaped_mass_{j}")
-            basis, values, mass = (state[n] if rows is None else state[n][rows] for n in names)
+            basis = load_basis(state, names[0], stack.shape[j], rows)
+            values, mass = (state[n] if rows is None else state[n][rows] for n in names[1:])
             x = unfold(g if rows is None else g[rows], j)
             basis, values, mass, ok = frequent_directions(basis, values, mass, x, beta2)
             out.update(zip(names, (basis, values, mass)))
@@ -182,7 +189,7 @@ class Sketchy(Shampoo):
         state = job.state
         if job.new_factors is not None:  # computed and checked already: adopt, in place
             for name, value in job.new_factors.items():
-                state[name].copy_(value)
+                put(state, name, value)
             return
         super().update_statistics(stack, job, g, scratch)
         rows = self.sample_rows(job)
@@ -190,10 +197,7 @@ class Sketchy(Shampoo):
             return
         index = None if rows is None else torch.tensor(rows, device=g.device)
         for name, value in self._sketches(stack, job, g, rows, count=True).items():
-            if index is None:
-                state[name].copy_(value)
-            else:
-                state[name].index_copy_(0, index, value)
+            put(state, name, value, index)
 
     # ------------------------------------------------------------------ refresh
     def refresh(self, stack, job, rows: list[int], first: bool, workspace) -> None:
@@ -207,18 +211,16 @@ class Sketchy(Shampoo):
         exponents = self.exponents(group, stack.order)
         for j in self.sketched_dims(stack.shape, group):
             take = (lambda t: t) if index is None else (lambda t: t[index])
-            basis = take(state[f"sketch_basis_{j}"])
             values = take(state[f"sketch_values_{j}"])
             mass = take(state[f"sketch_escaped_mass_{j}"])
             inverse, tail = low_rank_root(values, mass, bias2, group["epsilon"],
                                           group["sketch_relative_epsilon"], exponents[j])
-            for name, value in ((f"sketch_root_basis_{j}", basis),
-                                (f"sketch_root_values_{j}", inverse),
-                                (f"sketch_root_tail_{j}", tail)):
-                if index is None:
-                    state[name].copy_(value)
-                else:
-                    state[name].index_copy_(0, index, value)
+            # the root's basis is the sketch's, as stored (4 bits: the same codes)
+            for source, target in stored_pairs(state, f"sketch_basis_{j}",
+                                               f"sketch_root_basis_{j}"):
+                put(state, target, take(state[source]), index)
+            put(state, f"sketch_root_values_{j}", inverse, index)
+            put(state, f"sketch_root_tail_{j}", tail, index)
 
     # ------------------------------------------------------------------ direction
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
@@ -230,10 +232,41 @@ class Sketchy(Shampoo):
         state = job.state
         x = filtered.to(job.group["factor_matrix_dtype"])
         for j in sketched:
-            x = low_rank_mode_product(x, state[f"sketch_root_basis_{j}"],
+            x = low_rank_mode_product(x, load_basis(state, f"sketch_root_basis_{j}",
+                                                    stack.shape[j]),
                                       state[f"sketch_root_values_{j}"],
                                       state[f"sketch_root_tail_{j}"], j)
         return super().precondition(stack, job, x, out, scratch)
+
+
+def load_basis(state: dict, name: str, d: int, rows: list[int] | None = None) -> Tensor:
+    """The basis ``name`` (n, d, k) of ``rows`` (None: all): the state's tensor, or where it
+    is kept in 4 bits (``quantization="4bit"``: its k directions as rows of d) dequantised
+    with one Björck step, as 4-bit Shampoo's eigenvectors."""
+    if name in state:
+        return state[name] if rows is None else state[name][rows]
+    sub = {key: state[key] if rows is None else state[key][rows]
+           for key in (f"{name}_codes", f"{name}_scales")}
+    return quantization.bjorck(quantization.load(sub, name, d), 1).mT
+
+
+def stored_pairs(state: dict, source: str, target: str) -> list[tuple[str, str]]:
+    """The state entries that hold ``source`` and ``target``, pair by pair (one tensor each,
+    or a 4-bit one's codes and scales)."""
+    if source in state:
+        return [(source, target)]
+    return [(f"{source}_{x}", f"{target}_{x}") for x in ("codes", "scales")]
+
+
+def put(state: dict, name: str, value: Tensor, index: Tensor | None = None) -> None:
+    """Write ``value`` into the state entry ``name`` (the rows ``index``, or all); a basis
+    kept in 4 bits is quantised (its columns as rows)."""
+    if name not in state:
+        quantization.store(state, name, value.mT.contiguous(), index)
+    elif index is None:
+        state[name].copy_(value)
+    else:
+        state[name].index_copy_(0, index, value)
 
 
 def frequent_directions(basis: Tensor, values: Tensor, mass: Tensor, x: Tensor,
