@@ -503,6 +503,9 @@ def plot(record: dict, out_dir: str, args) -> list[str]:
     if not record["runs"]:
         return plot_ablations(record, out_dir, draw, by_step, width)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    if len(record["runs"]) > 10:  # more rows than the default colours: one colour each
+        for ax in axes:
+            ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for name, runs in record["runs"].items():
         draw(axes[0], runs, f"{name}, lr {record['chosen'][name]:g}", by_step)
         draw(axes[1], runs, name, by_time)

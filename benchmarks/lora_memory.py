@@ -79,6 +79,10 @@ def full_model_rules(model) -> dict[str, int]:
         **{f"Sketchy (make_optimizer(memory='sketch'), rank {k})": state_bytes(
             make_optimizer(model, memory="sketch", sketch_rank=k, **kwargs))
            for k in (64, 256)},
+        **{f"Sketchy, 4-bit bases (memory='sketch', quantization='4bit'), rank {k}":
+           state_bytes(make_optimizer(model, memory="sketch", sketch_rank=k,
+                                      quantization="4bit", **kwargs))
+           for k in (256, 512)},
     }
 
 
