@@ -127,6 +127,10 @@ class StackStep:
     averaging: tuple[float, float, float] | None = None
     refresh_seconds: float = 0.0  # host seconds of the kind's refresh calls (health.py)
 
+    def own_step(self, row: int) -> int:
+        """The step on a row's own schedule (the step minus its refresh offset)."""
+        return self.step - (self.offsets[row] if self.offsets else 0)
+
 
 @dataclass
 class BlockRef:

@@ -98,11 +98,6 @@ class QuantizedFactors:
     def sample_every(group: dict) -> int:
         return group["statistics_frequency"] or group["precondition_frequency"]
 
-    @staticmethod
-    def own_step(job, row: int) -> int:
-        """The step on a row's own schedule (the step minus its refresh offset)."""
-        return job.step - (job.offsets[row] if job.offsets else 0)
-
     @classmethod
     def warmup_steps(cls, group: dict) -> int:
         """How many first steps of a block's schedule sample every gradient
@@ -124,7 +119,7 @@ class QuantizedFactors:
         """Rows whose quantised factors take a sample this step without refreshing."""
         every, refresh = self.sample_every(job.group), set(job.refresh_rows)
         warmup = self.warmup_steps(job.group)
-        steps = [self.own_step(job, r) for r in range(job.grad.shape[0])]
+        steps = [job.own_step(r) for r in range(job.grad.shape[0])]
         return [r for r, t in enumerate(steps)
                 if r not in refresh and t >= 1 and (t % every == 0 or t <= warmup)]
 
@@ -136,7 +131,7 @@ class QuantizedFactors:
         g = job.grad.to(torch.float32)[index]
         deltas = []
         for r in rows:
-            t = self.own_step(job, r)
+            t = job.own_step(r)
             deltas.append(t - self.previous_sample(group, t))
         delta = torch.tensor(deltas, dtype=torch.float64, device="cpu")
         if beta2 == 1.0:
@@ -218,7 +213,7 @@ class QuantizedFactors:
         # row by row: which other rows share the call (the stack's other blocks, their
         # staggered offsets) must not change a row's algorithm, or an owner holding a part
         # of the stack would compute otherwise than one process
-        fresh = [self.previous_sample(group, self.own_step(job, r)) == 0 for r in rows]
+        fresh = [self.previous_sample(group, job.own_step(r)) == 0 for r in rows]
         parts = [(torch.tensor([k for k, f in enumerate(fresh) if f is want], device=device),
                   want) for want in (True, False) if want in fresh]
         for j, factor in sampled.items():
