@@ -306,7 +306,7 @@ def test_4bit_bases_are_the_sketches_stored_in_4_bits(monkeypatch):
     and the run is the 32-bit algorithm whose every new basis goes through 4-bit storage
     (quantised, dequantised, one Björck step: benchmarks/sketch_4bit_probe.py), to float32
     rounding; the bases' bytes are about 7 times fewer."""
-    from hf_shampoo import quantization
+    from benchmarks.sketch_4bit_probe import quantized_frequent_directions
     from hf_shampoo.preconditioners import sketchy
 
     shapes = [(40, 24), (40, 24), (24,), (6, 5, 30)]
@@ -320,14 +320,7 @@ def test_4bit_bases_are_the_sketches_stored_in_4_bits(monkeypatch):
     assert state["block_0.sketch_basis_0_codes"].dtype == torch.uint8
     assert state["block_0.sketch_basis_0_codes"].shape == (5, 32)  # 5 directions of 40
     assert state["block_0.sketch_values_0"].dtype == torch.float32
-    update = sketchy.frequent_directions
-
-    def through_4_bits(basis, values, mass, x, beta2):
-        basis, values, mass, ok = update(basis, values, mass, x, beta2)
-        rows = quantization.dequantize(quantization.quantize(basis.mT))
-        return quantization.bjorck(rows, 1).mT, values, mass, ok
-
-    monkeypatch.setattr(sketchy, "frequent_directions", through_4_bits)
+    monkeypatch.setattr(sketchy, "frequent_directions", quantized_frequent_directions)
     simulated = _params(shapes)
     _run(simulated, grads, **settings)
     monkeypatch.undo()

@@ -565,6 +565,15 @@ def check_memory(memory: Any, where: str = "make_optimizer memory") -> None:
                          f"{did_you_mean(str(memory), MEMORY)}")
 
 
+def sketch_statistics_frequency(memory: str, keywords: dict[str, Any]) -> int | None:
+    """With ``memory="sketch"`` (and no 4-bit state), ``statistics_frequency`` says how often
+    the sketches take the gradient: taken out of ``keywords`` for the sketched groups alone
+    (``sketch_groups``), which the other kinds would refuse."""
+    if memory != "sketch" or keywords.get("quantization") is not None:
+        return None
+    return keywords.pop("statistics_frequency", None)
+
+
 def sketch_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any],
                   statistics_frequency: int | None = None) -> list[dict[str, Any]]:
     """``memory="sketch"``: the groups of ``param_groups`` (over the optimizer-level
@@ -670,9 +679,7 @@ def make_optimizer(
         vocab_size=vocab_size,
     )
     if memory == "sketch":
-        every = None
-        if shampoo_kwargs.get("quantization") is None:  # a sketch keyword: not the others'
-            every = shampoo_kwargs.pop("statistics_frequency", None)
+        every = sketch_statistics_frequency(memory, shampoo_kwargs)
         groups = sketch_groups(groups, shampoo_kwargs, every)
         try:
             optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)

@@ -59,9 +59,8 @@ class Sketchy(Shampoo):
     keywords = SKETCHY_KEYWORDS
     # the full dims are Shampoo's, without the options that need every dim to be a full root
     root_dtype = coupled_roots = diagonal_factors = inverse_roots = False
-    # quantization="4bit": the sketches' bases (and the roots' bases) in 4 bits, as 4-bit
-    # Shampoo's eigenvectors (quantization.py; one Björck step on loading); the rest float32
-    not_quantizable_because = None
+    # (quantizable: with quantization="4bit" the sketches' and the roots' bases are kept in
+    # 4 bits, as 4-bit Shampoo's eigenvectors, one Björck step on loading; the rest float32)
     sketches = "shampoo"  # make_optimizer(memory="sketch") turns Shampoo's groups into these
     samples_statistics = True  # statistics_frequency: the reference's update_freq
 
@@ -142,7 +141,6 @@ class Sketchy(Shampoo):
         in a row)."""
         group, state = job.group, job.state
         beta2 = group["betas"][1]
-        members = [job.members[r] for r in (range(len(job.members)) if rows is None else rows)]
         out = {}
         for j in self.sketched_dims(stack.shape, group):
             names = (f"sketch_basis_{j}", f"sketch_values_{j}", f"sketch_escaped_mass_{j}")
@@ -155,6 +153,7 @@ class Sketchy(Shampoo):
             # (only after a failure: a steady step reads nothing on the host)
             if count and (not all(ok) or any(stack.failures.get(name, ()))):
                 flags = torch.tensor(ok, device="cpu")  # bookkeeping: on the CPU
+                members = [job.members[r] for r in (range(len(ok)) if rows is None else rows)]
                 stack.count_failures(name, flags, members, job.step,
                                      what="Frequent-Directions SVD")
         return out
@@ -168,10 +167,9 @@ class Sketchy(Shampoo):
         every = job.group["statistics_frequency"]
         if every is None or every == 1:
             return None
-        offsets = job.offsets or [0] * job.grad.shape[0]
         refresh = set(job.refresh_rows)
-        return [r for r, offset in enumerate(offsets)
-                if (job.step - offset) % every == 0 or r in refresh]
+        return [r for r in range(job.grad.shape[0])
+                if job.own_step(r) % every == 0 or r in refresh]
 
     def checked_factors(self, stack, job) -> dict[str, Tensor]:
         """Shampoo's full factors and the updated sketches of the refreshing rows, out of

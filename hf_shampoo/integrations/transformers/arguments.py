@@ -33,6 +33,7 @@ from ..modules import (
     hf_no_decay,
     param_groups,
     sketch_groups,
+    sketch_statistics_frequency,
     walk,
 )
 
@@ -283,15 +284,6 @@ def trainer_defaults(args: Any, preset: str | None = None) -> dict[str, Any]:
     if preset not in STATELESS_PRESETS:
         defaults.update(epsilon=SHAMPOO_EPSILON, **FINE_TUNING_DEFAULTS)
     return defaults
-
-
-def sketch_statistics_frequency(memory: str, user: dict[str, Any]) -> int | None:
-    """With ``memory=sketch`` (and no 4-bit state), ``statistics_frequency`` says how often
-    the sketches take the gradient: taken out of ``user`` for the sketched groups alone
-    (``sketch_groups``), which the other kinds would refuse."""
-    if memory != "sketch" or user.get("quantization") is not None:
-        return None
-    return user.pop("statistics_frequency", None)
 
 
 def resolve_kwargs(args: Any, *chosen: Mapping[str, Any], preset: str | None = None
