@@ -1,12 +1,13 @@
 """Does a block's result depend on the other blocks of its stack? One table per device.
 
-The lossless distributors give each owner a stack of only its own blocks, where one process
-stacks every same-shape block (docs/design.md §8): a distributed run is bit-identical to one
-process only if every batched kernel of the step gives a matrix the same bits whatever the
-batch around it. On the CPU the tests check this (``tests/test_kronecker.py``,
-``tests/test_performance_options.py``); on a GPU the libraries (cuBLAS, cuSOLVER) pick
-kernels by batch size, so this prints, per operation, shape and dtype, whether matrix ``i``
-of a stack of 8 equals the same matrix computed alone, and the largest difference.
+A report of what the library at hand does, not a promise the optimizer rests on: stacks
+are cut by a rule of the blocks alone (``hf_shampoo/stacking.py``, docs/design.md §4), so
+one process and every layout compute each block in the same call beside the same blocks,
+whatever a library does with a batch. It prints, per operation, shape and dtype, whether
+matrix ``i`` of a stack of 8 equals the same matrix computed alone, and the largest
+difference. Libraries differ: on an Intel Xeon at one thread every row said yes; on an AMD
+EPYC the row-form matvec at 130 did not; with two threads, and on GPUs (cuBLAS, cuSOLVER
+pick kernels by batch size), many do not.
 
     python -m benchmarks.batch_invariance --device cuda
 """
@@ -75,13 +76,28 @@ def rows(device: str, dtypes, sizes=SIZES) -> list[tuple[str, tuple, str, bool, 
     return out
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     parser.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     args = parser.parse_args(argv)
-    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else \
+        f"{cpu_name()}, {torch.get_num_threads()} thread(s)"
     print(f"### Batch invariance on {where}, torch {torch.__version__}\n")
     print("| operation | shape | dtype | equal alone and in a stack of 8 | max abs difference |")
     print("|---|---|---|---|---|")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, health, pipeline
+from . import averaging, health, pipeline, stacking
 from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
@@ -353,16 +353,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         costs = [priced[k] for k in kinds]
         plan = self._planned(plan, blocks, kinds, costs)
         slots = self._refresh_slots(blocks, shapes, kinds)
-        owners = self._distributor.assign(blocks, shapes, costs, slots=slots) \
-            if slots is not None else self._distributor.assign(blocks, shapes, costs)
-        stacks: dict[tuple, BlockStack] = {}
-        for block, owner, kind in zip(blocks, owners, kinds):
-            key = (owner, *kind)
-            if key not in stacks:
-                stacks[key] = BlockStack(kind[0], kind[1], [], kind[3], rank=owner,
-                                         overrides=dict(kind[4]))
-            stacks[key].members.append(block)
-        return sorted(stacks.values(), key=lambda s: s.rank), plan
+        # stacks cut by a rule of the blocks alone: every layout computes each block in
+        # the same call beside the same blocks (stacking.py); owners get whole stacks
+        units = stacking.chunks(kinds, shapes)
+        owners = self._distributor.assign(blocks, shapes, costs, slots=slots, units=units)
+        stacks = []
+        for unit in units:
+            group_index, shape, _, work_dtype, overrides = kinds[unit[0]]
+            stacks.append(BlockStack(group_index, shape, [blocks[i] for i in unit], work_dtype,
+                                     rank=owners[unit[0]], overrides=dict(overrides)))
+        return sorted(stacks, key=lambda s: s.rank), plan
 
     def _refresh_slots(self, blocks: list[BlockRef], shapes: list[tuple[int, ...]],
                        kinds: list[tuple]) -> list[int | None] | None:

@@ -401,12 +401,13 @@ def run_world(rank: int, world: int, init_file: str, jobs_file: str, out_dir: st
     for job, case_id, index, case in jobs:
         results["running"] = f"{job}:{case_id}"
         torch.save(results, out_file)
-        if job == "ddp":
-            failures = run_ddp_case(case, case_id, index, root)
-        elif job == "zero":
-            failures = run_zero_case(case, case_id, index)
-        else:
-            failures = run_resume_job(case, case_id, root)
+        with lc.drawn_calls(case):
+            if job == "ddp":
+                failures = run_ddp_case(case, case_id, index, root)
+            elif job == "zero":
+                failures = run_zero_case(case, case_id, index)
+            else:
+                failures = run_resume_job(case, case_id, root)
         results["cases"][f"{job}:{case_id}"] = failures
     results["running"] = None
     torch.save(results, out_file)

@@ -376,7 +376,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, cases: list[d
         try:
             run = run_model if "model" in case else run_synthetic
             # 4-bit cases quantise their tiny factors from construction to the last load
-            with ddp_worker.small_factors_quantized(case["config"]):
+            with ddp_worker.small_factors_quantized(case["config"]), lc.drawn_calls(case):
                 result = run(case, out_dir)
         except Exception:  # noqa: BLE001 - reported to the test, which fails with it
             result = {"error": traceback.format_exc()[-3000:]}

@@ -18,9 +18,14 @@ import math
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+
+from hf_shampoo import stacking
+from tests.batch_variant import BatchVariantProducts
 
 #: the kinds and options that claim exactness under every distributor, with the keywords
 #: each needs; ``draw_config`` adds the shared random ones (block size, cadence, decay)
@@ -141,6 +146,34 @@ def draw_shape(rng: random.Random, max_numel: int = 1536) -> tuple[int, ...]:
         shape = tuple(rng.choice(SIZES) for _ in range(order))
         if math.prod(shape) <= max_numel:
             return shape
+
+
+def draw_calls(case: dict[str, Any]) -> dict[str, Any]:
+    """How a case's stacks are cut (``stacking``'s two numbers: one stack per kind, two,
+    or eight, and stacks of at most 64 or 512 elements or the default) and whether its
+    products round by call (``tests/batch_variant.py``), drawn from the case's own text so
+    that adding this draw changed no other draw of a seed."""
+    rng = random.Random("calls:" + repr(case))
+    return {"min_stacks": rng.choice([1, 2, stacking.MIN_STACKS]),
+            "stack_elements": rng.choice([64, 512, stacking.STACK_ELEMENTS]),
+            "batch_variant": rng.random() < 0.5}
+
+
+@contextmanager
+def drawn_calls(case: dict[str, Any]) -> Iterator[None]:
+    """Run a case, its one-process reference and its resumes under its ``stacking``: the
+    stacking rule it drew, and products that round by call where it drew them."""
+    calls = case.get("stacking")
+    if calls is None:
+        yield
+        return
+    saved = stacking.MIN_STACKS, stacking.STACK_ELEMENTS
+    stacking.MIN_STACKS, stacking.STACK_ELEMENTS = calls["min_stacks"], calls["stack_elements"]
+    try:
+        with BatchVariantProducts() if calls["batch_variant"] else nullcontext():
+            yield
+    finally:
+        stacking.MIN_STACKS, stacking.STACK_ELEMENTS = saved
 
 
 def draw_no_grad(rng: random.Random, count: int, steps: int) -> dict[int, tuple[int, ...]]:
@@ -277,6 +310,7 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
         # (a separate draw: the other cases of a seed stay what they were)
         case.update(draw_pipeline(rng, world, steps, config["kind"]))
         case["config"] = config
+        case["stacking"] = draw_calls(case)
         return case
     else:
         shapes = [draw_shape(rng) for _ in range(rng.randint(2, 5))]
@@ -293,6 +327,7 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
     count = len(case["shapes"]) if shapes is not None else case["count"]
     case["no_grad"] = draw_no_grad(rng, count, steps)
     case["config"] = config
+    case["stacking"] = draw_calls(case)
     return case
 
 
@@ -486,6 +521,7 @@ def draw_ddp_case(rng: random.Random, worlds: tuple[int, ...],
         checkpoint=None)
     if rng.random() < checkpoint_rate:
         case["checkpoint"] = draw_checkpoint(rng, world, trainers, steps, worlds)
+    case["stacking"] = draw_calls(case)
     return case
 
 
@@ -539,7 +575,9 @@ def draw_zero_case(rng: random.Random, worlds: tuple[int, ...]) -> dict[str, Any
     numels = [math.prod(s) for s in shapes]
     flats = [draw_flat(rng, [numels[i] for i in members], world)
              for members in group_members(shapes, config)]
-    return dict(world=world, kind=config["kind"], config=config, shapes=shapes, names=names,
+    case = dict(world=world, kind=config["kind"], config=config, shapes=shapes, names=names,
                 steps=steps, no_grad=draw_no_grad(rng, len(shapes), steps),
                 data_seed=rng.randrange(2**31), flats=flats,
                 calls=rng.choice(["per_group", "all_groups"]))
+    case["stacking"] = draw_calls(case)
+    return case

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from hf_shampoo import kronecker
-from tests.helpers import cpu_batch_invariance
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
 
@@ -44,12 +43,16 @@ def test_multi_mode_product_matches_einsum(shape, transpose):
 
 def _stack_sizes_agree(fn, rows: torch.Tensor, *others: torch.Tensor) -> bool:
     """``fn`` of a stack, row by row, equals ``fn`` of each smaller stack holding that row
-    (1, 2 and 3 rows from several starts), bit for bit."""
+    (1, 2 and 3 rows from several starts) to the dtype's round-off: no row reads another.
+    Not bit for bit: a library may round a row by its batch (benchmarks/batch_invariance.py
+    reports where), and the optimizer never relies on it (docs/design.md §4)."""
     whole = fn(rows, *others)
+    tol = 1e-5 if rows.dtype == torch.float32 else 1e-12
     for size in (1, 2, 3):
         for start in range(0, rows.shape[0] - size + 1, 2):
             part = fn(rows[start:start + size], *(o[start:start + size] for o in others))
-            if not torch.equal(part, whole[start:start + size]):
+            scale = max(1.0, float(whole.abs().max())) if whole.numel() else 1.0
+            if not torch.allclose(part, whole[start:start + size], rtol=tol, atol=tol * scale):
                 return False
     return True
 
@@ -66,27 +69,35 @@ def _generated_shapes(seed: int, count: int):
                     for _ in range(order))
 
 
-@cpu_batch_invariance
+@pytest.mark.parametrize("batch_variant", [False, True], ids=["library", "batch_variant"])
 @pytest.mark.parametrize("seed", range(4))
-def test_products_do_not_depend_on_the_other_blocks_of_their_stack(seed):
-    """A block's factor update and preconditioning give the same bits whatever else is
-    stacked with it: the lossless distributors stack only an owner's own blocks, one
-    process stacks every same-shape block (docs/design.md §8)."""
+def test_products_do_not_mix_the_blocks_of_their_stack(seed, batch_variant):
+    """A block's factor update and preconditioning read only that block: its result in a
+    stack equals its result in smaller stacks to round-off, with the library at hand and
+    with products that round by batch (``tests/batch_variant.py``)."""
+    from contextlib import nullcontext
+
+    from tests.batch_variant import BatchVariantProducts
     from tests.helpers import TEST_DEVICE
 
+    with BatchVariantProducts() if batch_variant else nullcontext():
+        _check_products(seed, TEST_DEVICE)
+
+
+def _check_products(seed: int, device) -> None:
     gen = torch.Generator().manual_seed(seed)
     for shape in _generated_shapes(seed, 8):
         for dtype in (torch.float32, torch.float64):
-            g = torch.randn(7, *shape, generator=gen, dtype=dtype, device="cpu").to(TEST_DEVICE)
+            g = torch.randn(7, *shape, generator=gen, dtype=dtype, device="cpu").to(device)
             for j, d in enumerate(shape):
-                f = torch.randn(7, d, d, generator=gen, dtype=dtype, device="cpu").to(TEST_DEVICE)
+                f = torch.randn(7, d, d, generator=gen, dtype=dtype, device="cpu").to(device)
                 for beta in (0.0, 0.9, 1.0):
                     assert _stack_sizes_agree(
                         lambda g, f, j=j, beta=beta: kronecker.update_factor(
                             f.clone(), g, j, beta), g, f), (shape, j, beta, dtype)
                 assert _stack_sizes_agree(lambda g, f, j=j: kronecker.mode_product(g, f, j),
                                           g, f), (shape, j, dtype)
-            mats = [torch.randn(7, d, d, generator=gen, dtype=dtype, device="cpu").to(TEST_DEVICE)
+            mats = [torch.randn(7, d, d, generator=gen, dtype=dtype, device="cpu").to(device)
                     for d in shape]
             for transpose in (False, True):
                 assert _stack_sizes_agree(

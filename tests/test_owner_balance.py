@@ -25,9 +25,9 @@ class _DataParallelPlan(SingleProcessDistributor):
         super().__init__()
         self.world_size = world
 
-    def assign(self, blocks, block_shapes, costs=None, slots=None):
+    def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
         # the data-parallel distributor's own rule, without its process group
-        return DataParallelDistributor.assign(self, blocks, block_shapes, costs, slots)
+        return DataParallelDistributor.assign(self, blocks, block_shapes, costs, slots, units)
 
     assignment_cost = "memory"
 
@@ -36,9 +36,12 @@ class _SlotBlindPlan(_DataParallelPlan):
     """The data-parallel assignment before staggered offsets were balanced: total cost
     alone."""
 
-    def assign(self, blocks, block_shapes, costs=None, slots=None):
-        return greedy_assignment(costs or [block_cost(s) for s in block_shapes],
-                                 self.world_size)
+    def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
+        costs = costs or [block_cost(s) for s in block_shapes]
+        units = units or [[i] for i in range(len(block_shapes))]
+        owners = greedy_assignment([sum(costs[i] for i in u) for u in units], self.world_size)
+        return [owners[next(k for k, u in enumerate(units) if i in u)]
+                for i in range(len(block_shapes))]
 
 
 def _sharded_plan(world: int) -> ShardedDistributor:
@@ -55,9 +58,10 @@ class _ShapeCosted:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def assign(self, blocks, block_shapes, costs=None, slots=None):
+    def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
         return self.inner.assign(blocks, block_shapes,
-                                 [block_cost(s, self.inner_cost) for s in block_shapes])
+                                 [block_cost(s, self.inner_cost) for s in block_shapes],
+                                 units=units)
 
 
 def _model() -> torch.nn.Module:
@@ -79,7 +83,7 @@ def _optimizer(config: str, model, cost: str) -> DistributedShampoo:
 
 def _shares(config: str, world: int, plan: str, rule: str, cost: str):
     """Each rank's share of the state bytes (cost "memory") or of the step's flops
-    ("compute"), and the largest single block's share."""
+    ("compute"), and the largest stack's share (owners get whole stacks: stacking.py)."""
     opt = _optimizer(config, _model(), cost)
     distributor = _sharded_plan(world) if plan == "fsdp2" else _DataParallelPlan(world)
     if rule == "shape":
@@ -87,13 +91,13 @@ def _shares(config: str, world: int, plan: str, rule: str, cost: str):
         wrapped.inner_cost = cost
         distributor = wrapped
     opt.distributor = distributor
-    load, largest = [0.0] * world, 0.0
+    load, stacks = [0.0] * world, {}
     for row in opt.describe_blocks():
         one = row["state_bytes"] if cost == "memory" else row["step_flops"]
         load[row["rank"]] += one
-        largest = max(largest, one)
+        stacks[row["stack"]] = stacks.get(row["stack"], 0.0) + one
     total = sum(load)
-    return [x / total for x in load], largest / total
+    return [x / total for x in load], max(stacks.values()) / total
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp2"])
@@ -101,8 +105,8 @@ def _shares(config: str, world: int, plan: str, rule: str, cost: str):
 @pytest.mark.parametrize("config", ["muon", "shampoo"])
 @pytest.mark.parametrize("cost", ["memory", "compute"])
 def test_the_largest_rank_holds_at_most_the_mean_plus_one_block(config, world, plan, cost):
-    """Greedy owners (heaviest block first): no rank exceeds the mean (1.1x it for the
-    sharded owners' capacity) by more than one block; and costing blocks by their kind is
+    """Greedy owners (heaviest stack first): no rank exceeds the mean (1.1x it for the
+    sharded owners' capacity) by more than one stack; and costing blocks by their kind is
     never worse than by their shape here."""
     shares, largest = _shares(config, world, plan, "kind", cost)
     capacity = 1.1 if plan == "fsdp2" else 1.0
@@ -150,13 +154,15 @@ def _refresh_wall(world: int, plan_class) -> tuple[float, list[float], float]:
     opt.distributor = plan_class(world)
     work: dict[tuple[int, int], float] = {}
     state = [0.0] * world
+    stacks: dict[int, float] = {}
     for row in opt.describe_blocks():
         state[row["rank"]] += row["state_bytes"]
+        stacks[row["stack"]] = stacks.get(row["stack"], 0.0) + row["state_bytes"]
         key = (row["refresh_offset"], row["rank"])
         work[key] = work.get(key, 0.0) + sum(d**3 for d in row["shape"])
     offsets = {offset for offset, _ in work}
     wall = sum(max(work.get((o, r), 0.0) for r in range(world)) for o in offsets)
-    largest = max(r["state_bytes"] for r in opt.describe_blocks())
+    largest = max(stacks.values())
     return wall / sum(work.values()), [x / sum(state) for x in state], largest / sum(state)
 
 

@@ -5,10 +5,10 @@ import io
 import pytest
 import torch
 
-from hf_shampoo import DistributedShampoo, quantization
+from hf_shampoo import DistributedShampoo, quantization, stacking
 from hf_shampoo.preconditioners.quantized import QuantizedShampoo
 from hf_shampoo.stack import BlockStack
-from tests.helpers import cpu_batch_invariance, generator
+from tests.helpers import generator
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
 
@@ -348,8 +348,8 @@ def test_reachable_from_optim_args_and_timm():
     assert "factor_eigenvectors_0_codes" in stack.state
 
 
-@cpu_batch_invariance
-def test_a_rows_first_decomposition_does_not_depend_on_its_stack(monkeypatch):
+@pytest.mark.parametrize("min_stacks", [2, 8])
+def test_a_rows_first_decomposition_does_not_depend_on_its_stack(monkeypatch, min_stacks):
     """A sample's eigendecomposition is ``eigh`` for a block's first one and QR from its
     kept basis after, decided row by row: it was decided for the whole call (``eigh`` for
     every row when one of them was at its first), so with staggered offsets a block's
@@ -367,10 +367,14 @@ def test_a_rows_first_decomposition_does_not_depend_on_its_stack(monkeypatch):
             super().__init__()
             self.world_size, self.rank = world, rank
 
-        def assign(self, blocks, block_shapes, costs=None, slots=None):
-            return greedy_assignment([block_cost(s) for s in block_shapes], self.world_size)
+        def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
+            owners = greedy_assignment([sum(block_cost(block_shapes[i]) for i in unit)
+                                        for unit in units], self.world_size)
+            return [owners[next(k for k, u in enumerate(units) if i in u)]
+                    for i in range(len(block_shapes))]
 
     monkeypatch.setattr(quantization, "MIN_QUANTIZED_ELEMENTS", 16)
+    monkeypatch.setattr(stacking, "MIN_STACKS", min_stacks)  # 2: stacks of two (4,) blocks
     config = dict(lr=0.03, preconditioner="eigenvalue_corrected", betas=(0.9, 0.99),
                   epsilon=1e-8, eigendecomposition="qr", quantization="4bit",
                   statistics_frequency=1, refresh_schedule="staggered",

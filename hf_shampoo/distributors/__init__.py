@@ -18,6 +18,7 @@ from .base import (
     greedy_assignment,
     refresh_work,
     staggered_assignment,
+    staggered_units,
 )
 from .ddp import DataParallelDistributor
 from .factory import make_distributor
@@ -36,5 +37,6 @@ __all__ = [
     "greedy_assignment",
     "refresh_work",
     "staggered_assignment",
+    "staggered_units",
     "make_distributor",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,31 +59,58 @@ STAGGERED_SLACK = 0.05
 
 def staggered_assignment(costs: Sequence[float], slots: Sequence[int | None],
                          work: Sequence[float], num_ranks: int) -> list[int]:
+    """Owners for staggered refreshes, one block a unit: ``staggered_units`` with block
+    ``i``'s ``work[i]`` at its offset ``slots[i]`` (``None``: it never refreshes, or
+    refreshes with every block)."""
+    return staggered_units(costs, [{} if s is None else {s: w} for s, w in zip(slots, work)],
+                           num_ranks)
+
+
+def staggered_units(costs: Sequence[float], work_at: Sequence[Mapping[int, float]],
+                    num_ranks: int) -> list[int]:
     """Owners for staggered refreshes: a step waits for the rank with the most refresh work
-    at that step's offset, so the blocks of each offset (``slots[i]``; ``None`` for a block
-    that never refreshes) are spread over the ranks by their refresh ``work``, heaviest
-    first, each to the rank with the least work at its offset among those it leaves
-    within ``STAGGERED_SLACK`` of the mean total ``costs`` (all ranks if none; ties: the
-    least total, then the lowest rank); the blocks without an offset then go, heaviest
-    first, to the least-loaded rank by ``costs``. Owners only decide where a block is
+    at that step's offset, so the units (stacks) that refresh at some offset (``work_at[i]``:
+    offset → the unit's refresh work there; empty for a unit that never refreshes on its
+    own schedule) are spread over the ranks by their refresh work, heaviest first, each to
+    the rank whose busiest of the unit's offsets would carry the least work, among those it
+    leaves within ``STAGGERED_SLACK`` of the mean total ``costs`` (all ranks if none; ties:
+    the least total, then the lowest rank); the units without offsets then go, heaviest
+    first, to the least-loaded rank by ``costs``. Owners only decide where a stack is
     computed, never its numbers. Deterministic, identical everywhere."""
     owners = [0] * len(costs)
     total = [0.0] * num_ranks
     capacity = (1.0 + STAGGERED_SLACK) * sum(costs) / num_ranks
     at: dict[int, list[float]] = {}
-    timed = sorted((i for i, s in enumerate(slots) if s is not None),
-                   key=lambda i: (-work[i], -costs[i], i))
+    timed = sorted((i for i, w in enumerate(work_at) if w),
+                   key=lambda i: (-sum(work_at[i].values()), -costs[i], i))
     for i in timed:
-        loads = at.setdefault(slots[i], [0.0] * num_ranks)
+        loads = [at.setdefault(slot, [0.0] * num_ranks) for slot in work_at[i]]
         fits = [r for r in range(num_ranks) if total[r] + costs[i] <= capacity]
-        rank = min(fits or range(num_ranks), key=lambda r: (loads[r], total[r], r))
+        rank = min(fits or range(num_ranks), key=lambda r: (
+            max(load[r] + w for load, w in zip(loads, work_at[i].values())), total[r], r))
         owners[i] = rank
-        loads[rank] += work[i]
+        for load, w in zip(loads, work_at[i].values()):
+            load[rank] += w
         total[rank] += costs[i]
-    for i in sorted((i for i, s in enumerate(slots) if s is None), key=lambda i: (-costs[i], i)):
+    for i in sorted((i for i, w in enumerate(work_at) if not w), key=lambda i: (-costs[i], i)):
         rank = min(range(num_ranks), key=lambda r: (total[r], r))
         owners[i] = rank
         total[rank] += costs[i]
+    return owners
+
+
+def single_units(units: Sequence[Sequence[int]] | None, count: int) -> list[list[int]]:
+    """``units`` as given, or every one of ``count`` blocks a unit of its own."""
+    return [list(u) for u in units] if units is not None else [[i] for i in range(count)]
+
+
+def owners_of_blocks(unit_owners: Sequence[int], units: Sequence[Sequence[int]],
+                     count: int) -> list[int]:
+    """Each of ``count`` blocks' owner: its unit's."""
+    owners = [0] * count
+    for owner, unit in zip(unit_owners, units):
+        for i in unit:
+            owners[i] = owner
     return owners
 
 
@@ -152,12 +179,15 @@ class Distributor:
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
                costs: Sequence[float] | None = None,
-               slots: Sequence[int | None] | None = None) -> list[int]:
+               slots: Sequence[int | None] | None = None,
+               units: Sequence[Sequence[int]] | None = None) -> list[int]:
         """The owning rank (within this distributor's group) of every block; ``costs``
         (what each block costs its owner, ``BlockStack.assignment_cost``) balance the
         ranks, ``block_cost`` of the shape where not given. ``slots``: each block's
         staggered refresh offset (``None``: it never refreshes, or refreshes with every
-        block), for a distributor that balances each step's refreshes too."""
+        block), for a distributor that balances each step's refreshes too. ``units``:
+        lists of block indices that must have one owner (a stack: ``stacking.chunks``);
+        every block alone where not given."""
         raise NotImplementedError
 
     def allocate_directions(self, stacks) -> None:

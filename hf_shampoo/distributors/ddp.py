@@ -24,8 +24,10 @@ from .base import (
     apply_directions,
     block_cost,
     greedy_assignment,
+    owners_of_blocks,
     refresh_work,
-    staggered_assignment,
+    single_units,
+    staggered_units,
     world_any,
 )
 from .groups import RankGroup
@@ -87,13 +89,24 @@ class DataParallelDistributor(Distributor):
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
                costs: Sequence[float] | None = None,
-               slots: Sequence[int | None] | None = None) -> list[int]:
+               slots: Sequence[int | None] | None = None,
+               units: Sequence[Sequence[int]] | None = None) -> list[int]:
+        units = single_units(units, len(block_shapes))
         if costs is None:
             costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
+        unit_costs = [sum(costs[i] for i in unit) for unit in units]
         if slots is not None and any(s is not None for s in slots):
-            return staggered_assignment(costs, slots, list(map(refresh_work, block_shapes)),
-                                        self.world_size)
-        return greedy_assignment(costs, self.world_size)
+            work_at: list[dict[int, float]] = []
+            for unit in units:
+                at: dict[int, float] = {}
+                for i in unit:
+                    if slots[i] is not None:
+                        at[slots[i]] = at.get(slots[i], 0.0) + refresh_work(block_shapes[i])
+                work_at.append(at)
+            owners = staggered_units(unit_costs, work_at, self.world_size)
+        else:
+            owners = greedy_assignment(unit_costs, self.world_size)
+        return owners_of_blocks(owners, units, len(block_shapes))
 
     def allocate_directions(self, stacks) -> None:
         devices = {s.device for s in stacks}

@@ -41,7 +41,9 @@ from .base import (
     block_cost,
     confirmed_nonfinite,
     maybe_nonfinite,
+    owners_of_blocks,
     params_with_gradients,
+    single_units,
     stack_buffer,
     world_any,
 )
@@ -288,28 +290,34 @@ class ShardedDistributor(Distributor):
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
                costs: Sequence[float] | None = None,
-               slots: Sequence[int | None] | None = None) -> list[int]:
-        """Greedy, heaviest block first: the least-loaded rank among those holding most of
-        the block, unless that would load it beyond ``(1 + balance_slack)`` times the
-        average; then the least-loaded rank of all. Deterministic everywhere."""
+               slots: Sequence[int | None] | None = None,
+               units: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """Greedy, heaviest unit (stack) first: the least-loaded rank among those holding
+        most of the unit's elements, unless that would load it beyond ``(1 +
+        balance_slack)`` times the average; then the least-loaded rank of all.
+        Deterministic everywhere."""
         self.learn_boxes(blocks)
+        units = single_units(units, len(blocks))
         if costs is None:
             costs = [block_cost(shape, self.assignment_cost) for shape in block_shapes]
-        capacity = (1.0 + self.balance_slack) * sum(costs) / self.world_size
+        unit_costs = [sum(costs[i] for i in unit) for unit in units]
+        capacity = (1.0 + self.balance_slack) * sum(unit_costs) / self.world_size
         load = dict.fromkeys(range(self.world_size), 0.0)
-        owners = [0] * len(blocks)
-        for i in sorted(range(len(blocks)), key=lambda i: (-costs[i], i)):
-            cuts = self.cuts(blocks[i])
-            preferred = list(range(self.world_size))
-            if cuts:
-                best = max(c.numel for c in cuts)
-                preferred = sorted(r for c in cuts if c.numel == best for r in c.ranks)
+        owners = [0] * len(units)
+        for u in sorted(range(len(units)), key=lambda u: (-unit_costs[u], u)):
+            held = dict.fromkeys(range(self.world_size), 0)
+            for i in units[u]:
+                for cut in self.cuts(blocks[i]):
+                    for r in cut.ranks:
+                        held[r] += cut.numel
+            best = max(held.values())
+            preferred = [r for r in range(self.world_size) if held[r] == best]
             owner = min(preferred, key=lambda r: (load[r], r))
-            if load[owner] + costs[i] > capacity:
+            if load[owner] + unit_costs[u] > capacity:
                 owner = min(load, key=lambda r: (load[r], r))
-            owners[i] = owner
-            load[owner] += costs[i]
-        return owners
+            owners[u] = owner
+            load[owner] += unit_costs[u]
+        return owners_of_blocks(owners, units, len(blocks))
 
     def allocate_directions(self, stacks) -> None:
         """Direction tensors of owned stacks, and the step's communication plan."""

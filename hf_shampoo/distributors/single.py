@@ -12,7 +12,8 @@ class SingleProcessDistributor(Distributor):
 
     def assign(self, blocks: Sequence, block_shapes: Sequence[tuple[int, ...]],
                costs: Sequence[float] | None = None,
-               slots: Sequence[int | None] | None = None) -> list[int]:
+               slots: Sequence[int | None] | None = None,
+               units: Sequence[Sequence[int]] | None = None) -> list[int]:
         return [0] * len(block_shapes)
 
     def allocate_directions(self, stacks) -> None:
