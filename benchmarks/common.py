@@ -236,9 +236,9 @@ class SimulatedRank(SingleProcessDistributor):
         self.world_size, self.rank, self.assignment_cost = world, rank, assignment_cost
         self.segment_numel = 0
 
-    def assign(self, blocks, block_shapes, costs=None, slots=None):
+    def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
         # the data-parallel distributor's own rule, without its process group
-        return DataParallelDistributor.assign(self, blocks, block_shapes, costs, slots)
+        return DataParallelDistributor.assign(self, blocks, block_shapes, costs, slots, units)
 
     def allocate_directions(self, stacks) -> None:
         super().allocate_directions(stacks)
@@ -259,8 +259,9 @@ class SimulatedOwner(SingleProcessDistributor):
         super().__init__()
         self.world_size, self.rank = world, rank
 
-    def assign(self, blocks, block_shapes, costs=None, slots=None):
-        return simulated_sharded(self.world_size).assign(blocks, block_shapes, costs)
+    def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
+        return simulated_sharded(self.world_size).assign(blocks, block_shapes, costs,
+                                                         units=units)
 
 
 def simulated_step(params, distributor, max_dim: int, repeats: int

@@ -42,10 +42,10 @@ class ShapeCosted:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def assign(self, blocks, block_shapes, costs=None, slots=None):
+    def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
         rule = self.inner.assignment_cost
         return self.inner.assign(blocks, block_shapes,
-                                 [block_cost(s, rule) for s in block_shapes])
+                                 [block_cost(s, rule) for s in block_shapes], units=units)
 
 
 def shares(model_name: str, config: str, world: int, scheme: str, rule: str,

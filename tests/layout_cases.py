@@ -319,8 +319,12 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
             for name, shape in lora_pair(rng, "block"):
                 names.append(name)
                 shapes.append(shape)
+        extra = random.Random(f"companions:{seed}")  # (a separate draw, as above)
+        several = draw_companions(extra, shapes, names)
         case["names"], case["shapes"] = names, shapes
         case["layout"] = draw_layout(rng, world, shapes)
+        if several is not None:
+            shard_several_dims(extra, case["layout"], several, shapes[several])
         if rng.random() < 0.4:
             case["resume_at"] = rng.randint(2, steps - 1)
             case["resume_layout"] = draw_layout(rng, world, shapes)
@@ -329,6 +333,38 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
     case["config"] = config
     case["stacking"] = draw_calls(case)
     return case
+
+
+def draw_companions(rng: random.Random, shapes: list, names: list) -> int | None:
+    """Parameters whose stacks once differed between layouts (tests/batch_variant.py): in
+    half the cases one more of a drawn parameter's shape, which draws its own placement, and
+    in half a 3-D or 4-D one, whose index is returned for ``shard_several_dims``."""
+    if rng.random() < 0.5:
+        shapes.append(rng.choice(shapes))
+        names.append(f"p{len(names)}")
+    if rng.random() >= 0.5:
+        return None
+    order = rng.choice([3, 4])
+    while True:
+        shape = tuple(rng.choice([2, 3, 4, 5, 6, 8, 12]) for _ in range(order))
+        if math.prod(shape) <= 1536:
+            break
+    shapes.append(shape)
+    names.append(f"p{len(names)}")
+    return len(shapes) - 1
+
+
+def shard_several_dims(rng: random.Random, layout: dict[str, Any], index: int,
+                       shape: tuple[int, ...]) -> None:
+    """Place parameter ``index`` on a sub-mesh of two or more dims, each sharding another of
+    its dims (where the mesh has such a sub-mesh; else as drawn)."""
+    options = [dims for dims in sub_meshes(layout["mesh"]) if len(dims) >= 2]
+    if not options:
+        return
+    dims = rng.choice(options)
+    tensor_dims = rng.sample(range(len(shape)), min(len(dims), len(shape)))
+    placements = [("S", d) for d in tensor_dims] + [("R",)] * (len(dims) - len(tensor_dims))
+    layout["where"][index] = (dims, placements)
 
 
 def draw_layout(rng: random.Random, world: int, shapes) -> dict[str, Any]:

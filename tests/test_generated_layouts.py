@@ -97,7 +97,40 @@ def regressions() -> list[dict]:
     out.append({"seed": 90_020, "world": 4, "kind": "soap_4bit", "steps": 5, "names": ["p0"],
                 "shapes": [(70,)], "layout": {"mesh": mesh, "where": [None]}, "no_grad": {},
                 "config": staggered})
+    out += issue53_layouts(mesh)
     return [case | {"base_seed": "regression"} for case in out]
+
+
+def issue53_layouts(mesh: dict) -> list[dict]:
+    """Four layouts an AMD EPYC's BLAS found not bit-identical to one process (each rank
+    stacked only its own blocks, one process all of a kind, and that BLAS rounded a block by
+    its batch): two ``(17,)`` vectors placed ``[Replicate(), Shard(0)]`` and ``[Shard(0),
+    Shard(0)]`` under Shampoo with ``epsilon=1e-10`` (3.2e-2 apart: the rank-deficient root
+    amplifies one ulp); 4-bit Shampoo on a ``(2, 32, 5, 3)``, KL-Shampoo on a ``(5, 6, 24,
+    32)``, Shampoo on a ``(32, 12, 12, 5)`` placed ``[_StridedShard(3, sf=2), Shard(3)]``
+    (2.4e-7). Here under products that round by call, with one stack per kind at the
+    least: the calls one process makes, which a rank now makes too."""
+    worst = {"min_stacks": 1, "stack_elements": 1 << 22, "batch_variant": True}
+    on = ("dp_shard", "tp")
+    tiny = {**lc.KINDS["shampoo"], "kind": "shampoo", "lr": 0.01, "epsilon": 1e-10,
+            "max_preconditioner_dim": 32, "precondition_frequency": 2,
+            "start_preconditioning_step": 2}
+    blocks = {"lr": 0.01, "max_preconditioner_dim": 8, "precondition_frequency": 2}
+    cases = [
+        ([(17,), (17,)], [(on, [("R",), ("S", 0)]), (on, [("S", 0), ("S", 0)])], tiny),
+        ([(2, 32, 5, 3), (8, 8)], [(on, [("S", 1), ("S", 3)]), None],
+         {**lc.KINDS["shampoo_4bit"], "kind": "shampoo_4bit", **blocks}),
+        ([(5, 6, 24, 32)], [(on, [("S", 2), ("S", 3)])],
+         {**lc.KINDS["kl_shampoo"], "kind": "kl_shampoo", **blocks,
+          "start_preconditioning_step": 2}),
+        ([(32, 12, 12, 5), (12, 5)], [(on, [("SS", 3, 2), ("S", 3)]), (on, [("S", 0), ("R",)])],
+         {**lc.KINDS["shampoo"], "kind": "shampoo", **blocks, "start_preconditioning_step": 2}),
+    ]
+    return [{"seed": 90_040 + index, "world": 4, "kind": config["kind"], "steps": 5,
+             "names": [f"p{i}" for i in range(len(shapes))], "shapes": shapes,
+             "layout": {"mesh": mesh, "where": where}, "no_grad": {}, "config": config,
+             "stacking": worst}
+            for index, (shapes, where, config) in enumerate(cases)]
 
 
 def regressions8() -> list[dict]:
