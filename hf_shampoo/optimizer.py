@@ -25,7 +25,10 @@ from .checkpoint.consolidate import ranks_accelerate_saves_on
 from .config import (
     DEFAULTS,
     GLOBAL_KEYS,
+    RUNTIME_KEYS,
+    TABLE,
     is_elongated,
+    keyword_acts,
     refuse_unknown_keywords,
     signature,
     validate_group,
@@ -389,7 +392,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                  costs: list[float]) -> agreement.Plan:
         """``plan`` with the new blocks' parameters (``agreement.Plan``: what the ranks
         must hold alike), checked across the ranks now where laying them out is itself a
-        collective (sub-meshes, DeepSpeed's partitions), else at the first step."""
+        collective (sub-meshes, DeepSpeed's partitions), else at the first step. The
+        groups' settings join it at the check (``_agreed``), as they are then."""
         entries: dict[int, dict] = {}
         for block, (group, shape, _, work_dtype, overrides), cost in zip(blocks, kinds, costs):
             entry = entries.get(block.param_index)
@@ -409,14 +413,33 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _agreed(self, plan: agreement.Plan) -> agreement.Plan:
         """``plan``, found the same on every rank (once: ``agreement.check`` raises
         ``ValueError`` on every rank where they differ), where the distributor's
-        collectives depend on it."""
+        collectives depend on it: its parameters and blocks, and the settings of the
+        groups they are in as the groups hold them now (every rank checks at the same
+        step, so a learning-rate schedule's ``lr`` is the same on every rank)."""
         if plan.agreed or not self._distributor.needs_agreement():
             return plan.checked()
+        plan = plan.with_settings((gi, self._numbers_settings(self.param_groups[gi]))
+                                  for gi in plan.groups())
         group = self._distributor.group
         process_group = None if group is None else group.process_group
         agreement.check(plan, group=process_group,
                         device=agreement.collective_device(self._all_params(), process_group))
         return plan.checked()
+
+    @staticmethod
+    def _numbers_settings(group: Mapping) -> tuple[tuple[str, str], ...]:
+        """``(keyword, agreement.setting(value))`` of every setting of ``group`` that
+        enters its blocks' numbers: each keyword of the table that acts for the group's
+        kinds (``keyword_acts``: its own and ``vector_preconditioner``'s), but the runtime
+        ones (``compile``: how this process runs the step), floats exactly; and
+        ``peak_lr`` where weight decay divides by it."""
+        pairs = [(key, agreement.setting(group[key], row.type in (float, tuple, dict)))
+                 for key, row in TABLE.items()
+                 if key not in RUNTIME_KEYS and keyword_acts(key, group)]
+        if group["weight_decay"] != 0 and group["weight_decay_type"] in (
+                "corrected", "independent") and "peak_lr" in group:
+            pairs.append(("peak_lr", agreement.setting(group["peak_lr"], True)))
+        return tuple(pairs)
 
     def _group_ranks(self) -> int | tuple[int, ...]:
         """The global ranks blocks are spread over (the world's size where the distributor

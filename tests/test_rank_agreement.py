@@ -1,6 +1,7 @@
-"""Ranks that hold different parameters (pipeline stages) are refused with
-DistributedShampoo's own error on every rank, never a gloo abort or a hang
-(docs/parallelism.md#limits, ``distributors/agreement.py``).
+"""Ranks that hold different parameters (pipeline stages), or the same parameters with
+different settings, are refused with DistributedShampoo's own error on every rank, never a
+gloo abort, a hang or replicas trained with a mix of settings (docs/parallelism.md#limits,
+``distributors/agreement.py``).
 
 One spawn per world size (2 and 3 ranks, gloo) runs every scenario of
 ``ranks_worker.py``; a spawn that outlives its deadline (a hang) or loses a rank to a signal
@@ -52,7 +53,8 @@ def runs(tmp_path_factory):
 
 
 def refused(results: list[dict], scenario: str) -> list[str]:
-    """Every rank's error in ``scenario``: a ValueError, nothing changed."""
+    """Every rank's error in ``scenario``: a ValueError, nothing changed (parameters,
+    optimizer state, step counts)."""
     got = [r[scenario] for r in results]
     assert all(g["outcome"].startswith("ValueError: DistributedShampoo") for g in got), got
     assert all(g["unchanged"] for g in got), got
@@ -113,9 +115,80 @@ def test_ranks_holding_the_same_parameters_step(runs):
 
 
 def test_the_same_parameters_blocked_otherwise_are_refused(runs):
-    for message in refused(runs[2], "settings"):
-        assert "rank 1 holds different parameters from rank 0" in message
-        assert "blocked as" in message and "max_preconditioner_dim" in message
+    for rank, message in enumerate(refused(runs[2], "settings")):
+        assert message.startswith(
+            "ValueError: DistributedShampoo: ranks of the process group differ in parameter "
+            "group 0's setting 'max_preconditioner_dim': rank 0 has 1024, rank 1 has 4."), \
+            message
+        assert f"This is rank {rank}; nothing was changed." in message
+
+
+SETTINGS = [  # scenario, keyword, rank 0's value, rank 1's, as the error shows them
+    ("kind_soap", "preconditioner", "'shampoo'", "'eigenvalue_corrected'"),
+    ("kind_kl", "preconditioner", "'kl_shampoo'", "'shampoo'"),
+    ("grafting", "grafting", "'adam'", "'rmsprop'"),
+    ("lr", "lr", "0.01", "0.5"),
+    ("epsilon", "epsilon", "1e-12", "1e-10"),
+    ("weight_decay", "weight_decay", "0.0", "0.01"),
+    ("betas", "betas", "(0.9, 1.0)", "(0.9, 0.999)"),
+    ("tensor_lr", "lr", "0.25", "0.5"),
+]
+
+
+@pytest.mark.parametrize("scenario,key,first,second", SETTINGS)
+def test_the_same_parameters_with_different_settings_are_refused(runs, scenario, key, first,
+                                                                 second):
+    """One rank with another kind, grafting, lr, epsilon, ... than the other: refused at
+    the first step on both, naming the setting and both values, nothing changed."""
+    for rank, message in enumerate(refused(runs[2], scenario)):
+        assert message.startswith(
+            "ValueError: DistributedShampoo: ranks of the process group differ in parameter "
+            f"group 0's setting {key!r}: rank 0 has {first}, rank 1 has {second}"), message
+        assert f"This is rank {rank}; nothing was changed." in message
+        assert "holds different parameters" not in message
+
+
+def test_settings_that_agree_step(runs):
+    """Tensor learning rates alike, and ``lr=1`` next to ``lr=1.0``: the same numbers."""
+    for scenario in ("tensor_lr_same", "int_and_float_lr"):
+        assert [r[scenario]["outcome"] for r in runs[2]] == ["stepped"] * 2, scenario
+
+
+def test_a_group_added_with_other_settings_is_refused_keeping_the_state(runs):
+    """Two steps alike, then a group of the same shape everywhere, with another epsilon on
+    rank 0: the next step refuses on both, the first steps' state untouched."""
+    assert all(r["differing_after_steps"]["first"] == ["stepped"] * 2 for r in runs[2])
+    for message in refused(runs[2], "differing_after_steps"):
+        assert ("differ in parameter group 1's setting 'epsilon': rank 0 has 1e-06, rank 1 "
+                "has 1e-12") in message, message
+
+
+def test_settings_are_compared_as_they_are_at_the_check(runs):
+    """A layout built on rank 0 alone before a schedule changed ``lr``, and a layout
+    extended after a schedule step, compare every rank's ``lr`` of that moment: no rank
+    is refused."""
+    got = [r["scheduled"] for r in runs[2]]
+    assert [g["first"] for g in got] == ["stepped"] * 2, got
+    assert [g["outcome"] for g in got] == ["stepped"] * 2, got
+    assert [g["lr"] for g in got] == [[0.05, 0.1]] * 2, got
+
+
+def test_a_stage_whose_ranks_differ_in_settings_is_refused_on_its_ranks(runs):
+    """``process_group=`` each stage's group (ranks [0, 1] and [2]): SOAP on rank 0 and
+    Shampoo on rank 1, or two learning rates, are refused on both ranks of the first stage
+    (global ranks named); the last stage, alone, steps."""
+    for scenario, key, first, second in [
+            ("stage_groups_kind", "preconditioner", "'eigenvalue_corrected'", "'shampoo'"),
+            ("stage_groups_lr", "lr", "0.5", "0.01")]:
+        got = [r[scenario] for r in runs[3]]
+        assert got[2]["outcome"] == "stepped", got
+        for rank, result in enumerate(got[:2]):
+            assert result["unchanged"], result
+            assert result["outcome"].startswith(
+                "ValueError: DistributedShampoo: ranks of the process group differ in "
+                f"parameter group 0's setting {key!r}: rank 0 has {first}, rank 1 has "
+                f"{second}"), result
+            assert f"This is rank {rank};" in result["outcome"]
 
 
 def test_groups_added_with_different_shapes_are_refused_at_the_next_step(runs):
@@ -205,6 +278,43 @@ def test_the_message_of_differing_plans():
     text = agreement.message([c, d], [(2, 1), (2, 2)], [0, 1], me=0)
     assert ("on a sub-mesh of shape (1,) placed (Shard(dim=0)) there, parameter 0 of shape "
             "(4, 4) float32 on mesh ranks [0, 1] placed (Shard(dim=0)) on rank 0") in text
+
+
+def test_the_message_of_differing_settings():
+    """``agreement.message`` with settings: every rank's value of the first differing
+    one, the others named; with parameters that differ too, the parameters first."""
+    def plan(settings, shape=(4, 4)):
+        entry = {"index": 0, "name": None, "param": [list(shape), "float32"],
+                 "blocks": [[list(shape), 0, "float32", "()", 1.0]]}
+        return {"count": 1, "entries": [entry], "groups": 1, "settings": [[0, settings]]}
+
+    a = plan([["lr", "0.1"], ["epsilon", "1e-12"], ["preconditioner", "'shampoo'"]])
+    b = plan([["lr", "0.1"], ["epsilon", "1e-10"], ["preconditioner", "'sketchy'"],
+              ["sketch_rank", "128"]])
+    text = agreement.message([a, b, a], [(1, 1), (1, 2), (1, 1)], [0, 1, 2], me=2)
+    assert text.startswith(
+        "DistributedShampoo: ranks of the process group differ in parameter group 0's "
+        "setting 'epsilon': ranks 0, 2 have 1e-12, rank 1 has 1e-10 (and its settings "
+        "'preconditioner', 'sketch_rank').")
+    assert text.endswith("This is rank 2; nothing was changed.")
+    c = plan([["lr", "0.5"], ["epsilon", "1e-12"], ["preconditioner", "'shampoo'"]], (2, 2))
+    text = agreement.message([a, c], [(1, 1), (1, 3)], [0, 1], me=0)
+    assert text.startswith("DistributedShampoo: rank 1 holds different parameters from "
+                           "rank 0")
+    assert ("The ranks also differ in parameter group 0's setting 'lr': rank 0 has 0.1, "
+            "rank 1 has 0.5.") in text
+
+
+def test_settings_are_shown_exactly():
+    assert agreement.setting(0.1) == "0.1" and agreement.setting(1e-12) == "1e-12"
+    assert agreement.setting(0.1 + 0.2) == "0.30000000000000004"  # not 0.3: exactly
+    assert agreement.setting(torch.tensor(0.5)) == "0.5"
+    assert agreement.setting(1, real=True) == agreement.setting(1.0) == "1.0"
+    assert agreement.setting(3) == "3" and agreement.setting(True) == "True"
+    assert agreement.setting((0.9, 1), real=True) == "(0.9, 1.0)"
+    assert agreement.setting({2: 0.5}, real=True) == "{2: 0.5}"
+    assert agreement.setting(torch.float64) == "torch.float64"
+    assert agreement.setting("adam") == "'adam'" and agreement.setting(None) == "None"
 
 
 def test_one_process_and_planners_check_nothing():

@@ -8,7 +8,7 @@ FSDP2 / HSDP / tensor parallel) and import only those two; ``local`` is
 ``fsdp_mode="local"`` (one process per shard, on ``single``); ``zero`` is the lossless
 exchange over DeepSpeed ZeRO 1/2's flat partitions (on ``fsdp``);
 ``factory.make_distributor`` picks one for the parameters; ``agreement`` checks, once per
-layout, that the ranks which share blocks hold the same parameters.
+layout, that the ranks which share blocks hold the same parameters with the same settings.
 """
 
 from .base import (
