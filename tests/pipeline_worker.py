@@ -437,7 +437,9 @@ LAYOUTS = {
 
 def run_world(rank: int, world: int, init_file: str, out_dir: str, cases: list[dict]) -> None:
     """Every case of this world (``{"name", "layout", "kind", "steps", "save_at",
-    "checkpoint", "resume_from"}``) in turn; ``rank{r}.json`` maps names to results (or
+    "checkpoint", "resume_from", "no_sync", "warm_up"}``; ``no_sync``: every schedule step
+    inside the DDP parts' ``no_sync()``; ``warm_up``: one schedule step, gradients dropped,
+    before a checkpoint is loaded) in turn; ``rank{r}.json`` maps names to results (or
     ``{"error": traceback}``)."""
     torch.set_num_threads(1)
     join_gloo_world(rank, world, init_file)
