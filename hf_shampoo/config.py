@@ -107,7 +107,10 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             "(`None` → `beta1`; differing from `beta1` gives a Nesterov-style look-ahead)")),
     Keyword("epsilon", 1e-12, float, _epsilon_check, doc=(
             "regularisation added before the root inverse / eigendecomposition (must be "
-            "`0.0` with `rank_deficient=\"pseudo_inverse\"`)")),
+            "`0.0` with `rank_deficient=\"pseudo_inverse\"`); a tiny one (the default) "
+            "amplifies rounding while factors are rank-deficient, so setups that round "
+            "differently move apart by percents: 1e-8..1e-6 in float32 where runs must "
+            "reproduce across setups ([hyperparameter guide](hyperparameters.md))")),
     Keyword("momentum", 0.0, float, real(0.0, 1.0, high_open=True), doc=(
             "classic (heavy-ball) momentum applied to the search direction")),
     Keyword("dampening", 0.0, float, real(0.0, 1.0), doc=(

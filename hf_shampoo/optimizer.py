@@ -36,7 +36,11 @@ from .config import (
 )
 from .distributors import Distributor, agreement, make_distributor
 from .distributors.groups import group_over, ranks_of
-from .distributors.zero import ZeroPartitions, find_zero_partitions
+from .distributors.zero import (
+    ZeroPartitions,
+    find_zero_partitions,
+    refuse_deepspeed_fp16_stage0,
+)
 from .pipeline import Layout
 from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
@@ -539,7 +543,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         make the state exist: a step of nothing that would count as the first (bias
         correction, weight decay). It is recognised (no step taken yet, parameters that
         are not those the optimizer was built with, every gradient exactly zero) and
-        skipped."""
+        skipped. The same wrapper over float16 parameters (fp16 under ZeRO stage 0) is
+        refused there, inside ``deepspeed.initialize`` on every rank, before anything
+        changes (``refuse_deepspeed_fp16_stage0``)."""
         if self._constructed is None or any(group["step"] for group in self.param_groups):
             return False
         built = {id(p) for params in self._constructed for p in params}
@@ -547,7 +553,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         if not params or any(id(p) in built for p in params):
             return False
         grads = [p.grad for p in params]
-        return all(g is not None for g in grads) and not any(bool(g.any()) for g in grads)
+        if not all(g is not None for g in grads) or any(bool(g.any()) for g in grads):
+            return False
+        refuse_deepspeed_fp16_stage0(self._constructed)
+        return True
 
     def _step(self, closure=None):
         """The step itself (``step``'s stages).

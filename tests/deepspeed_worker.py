@@ -45,10 +45,12 @@ def batches(world: int, micro: int = 4):
 
 
 def ds_config(stage: int, bf16: bool = False, grad_accum: str | None = None,
-              accumulation: int = 1) -> dict:
+              accumulation: int = 1, fp16: bool = False) -> dict:
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "gradient_clipping": 0.0, "bf16": {"enabled": bf16}}
+    if fp16:
+        config["fp16"] = {"enabled": True}
     if grad_accum:
         config["data_types"] = {"grad_accum_dtype": grad_accum}
     return config
@@ -214,8 +216,43 @@ def stage_group(out: dict) -> None:
         out["message"] = str(error)
 
 
+def fp16_zero0(out: dict) -> None:
+    """fp16 under ZeRO 0 (``FP16_UnfusedOptimizer``), DeepSpeed's refusal of fp16 on a CPU
+    lifted as a user on CPU would (its ``is_fp16_supported``): ``deepspeed.initialize``
+    raises at the wrapper's construction step, before any state or parameter changes.
+    fp16 under ZeRO 1, the way out, builds and steps 2 times; its parameters move as fp32
+    ZeRO 1's do, up to fp16's rounding (``zero1_vs_fp32``: the relative distance of the
+    two moves, 3.5e-2 measured; gradients 65,536x too small move fp32 ZeRO 1 by 0.67)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+    ids = batches(dist.get_world_size())
+    model = gpt2()
+    before = [p.detach().half() for p in model.parameters()]
+    opt = make_optimizer(model, "transformer", **PRESETS["transformer"])
+    try:
+        deepspeed.initialize(model=model, optimizer=opt, config=ds_config(0, fp16=True))
+        out["message"] = "initialized"
+    except ValueError as error:
+        out["message"] = str(error)
+    out["unchanged"] = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    out["state"] = sum(len(s) for s in opt.state.values())
+    out["step"] = opt._groups[0]["step"]
+    moved = {}
+    for name, fp16 in (("fp16", True), ("fp32", False)):
+        engine, opt = engine_for(1, fp16=fp16)
+        start = [p.detach().float().clone() for p in engine.module.parameters()]
+        train(engine, ids, range(2))
+        moved[name] = torch.cat([(p.detach().float() - s).flatten()
+                                 for p, s in zip(engine.module.parameters(), start)])
+        out[f"zero1_{name}"] = (type(engine.optimizer).__name__, opt._groups[0]["step"])
+    out["zero1_vs_fp32"] = ((moved["fp16"] - moved["fp32"]).norm()
+                            / moved["fp32"].norm()).item()
+
+
 SCENARIOS = {"fp32": fp32, "bf16": bf16, "checkpoint": checkpoint, "resume_one": resume_one,
-             "zero3": zero3, "stage_group": stage_group}
+             "zero3": zero3, "stage_group": stage_group, "fp16_zero0": fp16_zero0}
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ model on the same micro-batches (``one_process``), bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import traceback
@@ -294,21 +295,29 @@ def replica_of(layout: dict, mesh) -> int:
     return mesh[dp].get_local_rank()
 
 
-def train_step(step: int, sched, stage_ids, num_stages, replica: int) -> None:
+def train_step(step: int, sched, stage_ids, num_stages, replica: int,
+               no_sync: list | None = None) -> None:
+    """One schedule step on ``batch(step, replica)``; ``no_sync``: DDP parts whose
+    ``no_sync()`` the whole step runs in (the stage still reduces at each part's last
+    backward, where it prepares the reducer itself)."""
     tokens, targets = batch(step, replica)
     first, last = 0 in stage_ids, num_stages - 1 in stage_ids
     kwargs = {}
     if last:
         kwargs["target"] = targets
         kwargs["losses"] = []
-    if first:
-        sched.step(tokens, **kwargs)
-    else:
-        sched.step(**kwargs)
+    with contextlib.ExitStack() as stack:
+        for module in no_sync or ():
+            stack.enter_context(module.no_sync())
+        if first:
+            sched.step(tokens, **kwargs)
+        else:
+            sched.step(**kwargs)
 
 
 def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
-        checkpoint: str | None, resume_from: str | None) -> dict:
+        checkpoint: str | None, resume_from: str | None, no_sync: bool = False,
+        warm_up: bool = False) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -334,7 +343,12 @@ def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
         return out
 
     first_step = 1
+    quiet = wrapped if no_sync else None
     if resume_from is not None:
+        if warm_up:  # a fresh DDP module's first iteration, gradients dropped
+            train_step(save_at + 1, sched, stage_ids, num_stages, replica, quiet)
+            for module in modules:
+                module.zero_grad(set_to_none=True)
         state = state_dict()
         dcp.load(state, checkpoint_id=resume_from)
         for k, module in enumerate(modules):
@@ -361,7 +375,7 @@ def run(layout: dict, kind: str, rank: int, steps: int, save_at: int | None,
     for step in range(first_step, steps + 1):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        train_step(step, sched, stage_ids, num_stages, replica)
+        train_step(step, sched, stage_ids, num_stages, replica, quiet)
         if os.environ.get("PP_DEBUG") and step == first_step:
             result["grads"] = {n: full(p.grad).flatten().tolist() for n, p in named}
         for ref, plain, parts in references:
@@ -416,12 +430,16 @@ LAYOUTS = {
                              schedule="interleaved", one_optimizer=True),
     "fsdp_1f1b_dp1": dict(mesh=(2, 1), names=("pp", "dp_shard"), dp="fsdp", schedule="1f1b"),
     "ddp_gpipe_dp1": dict(mesh=(2, 1), names=("pp", "dp"), dp="ddp", schedule="gpipe"),
+    "ddp_interleaved": dict(mesh=(2, 2), names=("pp", "dp"), dp="ddp",
+                            schedule="interleaved"),
 }
 
 
 def run_world(rank: int, world: int, init_file: str, out_dir: str, cases: list[dict]) -> None:
     """Every case of this world (``{"name", "layout", "kind", "steps", "save_at",
-    "checkpoint", "resume_from"}``) in turn; ``rank{r}.json`` maps names to results (or
+    "checkpoint", "resume_from", "no_sync", "warm_up"}``; ``no_sync``: every schedule step
+    inside the DDP parts' ``no_sync()``; ``warm_up``: one schedule step, gradients dropped,
+    before a checkpoint is loaded) in turn; ``rank{r}.json`` maps names to results (or
     ``{"error": traceback}``)."""
     torch.set_num_threads(1)
     join_gloo_world(rank, world, init_file)
@@ -430,7 +448,8 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, cases: list[d
         try:
             results[case["name"]] = run(LAYOUTS[case["layout"]], case["kind"], rank,
                                         case["steps"], case.get("save_at"),
-                                        case.get("checkpoint"), case.get("resume_from"))
+                                        case.get("checkpoint"), case.get("resume_from"),
+                                        case.get("no_sync", False), case.get("warm_up", False))
         except Exception:  # recorded: the test shows it
             results[case["name"]] = {"error": traceback.format_exc()}
             break

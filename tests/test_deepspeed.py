@@ -92,6 +92,25 @@ def test_zero0_bf16_skips_the_construction_step(bf16_runs):
         assert rank_result["z0"]["distributor"] == "DataParallelDistributor"
 
 
+def test_fp16_zero0_is_refused_before_anything_changes(tmp_path):
+    """fp16 under ZeRO 0: DeepSpeed's ``engine.backward`` does not scale the loss there
+    but its ``FP16_UnfusedOptimizer`` divides the gradients by the loss scale (DeepSpeed
+    PR 8393): refused inside ``deepspeed.initialize`` on both ranks, at the wrapper's
+    construction step, with the configuration named and the ways out; the model and the
+    optimizer are untouched. A real engine: DeepSpeed refuses fp16 on a CPU
+    (``is_fp16_supported``), the worker lifts that check as a user did. fp16 under ZeRO 1,
+    a way out, trains: its parameters move as fp32 ZeRO 1's up to fp16's rounding (3.5e-2
+    relative measured), where gradients 65,536x too small move them by 0.67."""
+    for result in scenario("fp16_zero0", tmp_path):
+        message = result["message"]
+        assert message.startswith("DistributedShampoo: DeepSpeed fp16 without ZeRO "
+                                  "(zero_optimization.stage 0"), message
+        assert "bf16" in message and "ZeRO stage 1 or 2" in message
+        assert result["unchanged"] and result["state"] == 0 and result["step"] == 0
+        assert result["zero1_fp16"] == ("DeepSpeedZeroOptimizer", 2)
+        assert result["zero1_vs_fp32"] < 0.1, result["zero1_vs_fp32"]
+
+
 # ------------------------------------------------------------------------ checkpoints
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory):

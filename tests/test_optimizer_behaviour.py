@@ -462,3 +462,42 @@ def test_describe_blocks_places_every_block_in_its_parameter():
             covered[window] += 1
         assert bool((covered == 1).all()), index
     assert len({row["param_index"] for row in rows if len(row["shape"]) > 0}) == 3
+
+
+def _moved_by_one_ulp(steps: int = 5, **config) -> float:
+    """A (17,) vector (one 17 × 17 factor: rank-deficient for its first 17 steps) trained
+    ``steps`` steps twice, the second time with its first gradient one ulp higher: the
+    relative distance of the two moves (docs/hyperparameters.md, epsilon)."""
+    moves = []
+    for nudge in (False, True):
+        param = torch.nn.Parameter(torch.randn(17, generator=generator(0)))
+        start = param.detach().clone()
+        opt = DistributedShampoo([param], **{
+            "lr": 1e-2, "grafting": "adam", "precondition_frequency": 1,
+            "start_preconditioning_step": 1, **config})
+        gen = generator(1)
+        for step in range(steps):
+            grad = torch.randn(17, generator=gen)
+            if nudge and step == 0:
+                grad = torch.nextafter(grad, torch.full_like(grad, math.inf))
+            param.grad = grad
+            opt.step()
+        moves.append(param.detach() - start)
+    return float((moves[1] - moves[0]).norm() / moves[0].norm())
+
+
+def test_a_tiny_epsilon_amplifies_rounding_in_rank_deficient_factors():
+    """The numbers docs/hyperparameters.md gives for ``epsilon``: with factors still
+    rank-deficient, a 1-ulp change of one gradient moves the run by percents at
+    epsilon=1e-10 (2.0e-2 measured on the CPU; 0.18 at the default 1e-12) and by 8e-5 at
+    1e-4; the pseudo-inverse, or preconditioning that starts once the factor is full rank,
+    keep it at rounding level."""
+    assert _moved_by_one_ulp(epsilon=1e-12) > 5e-2
+    assert _moved_by_one_ulp(epsilon=1e-10) > 5e-3
+    assert _moved_by_one_ulp(epsilon=1e-6) < 1e-3
+    assert _moved_by_one_ulp(epsilon=1e-4) < 2e-4
+    assert _moved_by_one_ulp(rank_deficient="pseudo_inverse", epsilon=0.0,
+                             rank_rtol=None) < 1e-5
+    late = dict(epsilon=1e-12, start_preconditioning_step=18, steps=23)
+    assert _moved_by_one_ulp(**late) < 1e-5
+    assert _moved_by_one_ulp(**{**late, "start_preconditioning_step": 1}) > 5e-2

@@ -22,7 +22,8 @@ DeepSpeed itself does for the group it just stepped.
 Refused, before anything changes: ZeRO 3 (``placements.refuse_unsupported``), CPU
 offload, a data-parallel group smaller than the world (DeepSpeed's model or sequence
 parallelism), and iterate averaging (its ``train()`` / ``eval()`` move parameters outside
-DeepSpeed's step). Nothing here imports DeepSpeed.
+DeepSpeed's step); and, without ZeRO, fp16 (``refuse_deepspeed_fp16_stage0``: DeepSpeed's
+stage-0 wrapper unscales gradients it never scaled). Nothing here imports DeepSpeed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch import Tensor
 from .fsdp import ShardedDistributor
 from .placements import flat_range_boxes
 
-__all__ = ["ZeroPartitions", "find_zero_partitions"]
+__all__ = ["ZeroPartitions", "find_zero_partitions", "refuse_deepspeed_fp16_stage0"]
 
 
 def _linked(param: Tensor) -> bool:
@@ -66,6 +67,30 @@ def find_zero_partitions(groups: list[dict], constructed: list[list[Tensor]]
     if not swapped:
         return None
     return ZeroPartitions(groups, constructed)
+
+
+def refuse_deepspeed_fp16_stage0(constructed: list[list[Tensor]]) -> None:
+    """Raise when the optimizer was built over float16 parameters and DeepSpeed's stage-0
+    wrapper (``FP16_UnfusedOptimizer``) makes its construction step on fp32 copies of them.
+
+    Called where that step is recognised (``DistributedShampoo._initialising_under_
+    deepspeed``): inside ``deepspeed.initialize``, on every rank, before any state exists
+    or any parameter moves. DeepSpeed 0.19.8's ``engine.backward`` does not scale the loss
+    under fp16 without ZeRO, while the wrapper's ``step`` divides the gradients by the loss
+    scale (deepspeedai/DeepSpeed PR 8393, open): the optimizer would see gradients 65,536x
+    too small (the default dynamic scale), no overflow would ever trigger, and the run
+    would look healthy. bf16 uses the same wrapper with a scale of 1 and is not refused;
+    ZeRO 1 and 2 scale the loss themselves."""
+    if not any(p.dtype == torch.float16 for params in constructed for p in params):
+        return
+    raise ValueError(
+        "DistributedShampoo: DeepSpeed fp16 without ZeRO (zero_optimization.stage 0, its "
+        "FP16_UnfusedOptimizer) is not supported: DeepSpeed divides the gradients by the "
+        "loss scale without having scaled the loss (deepspeedai/DeepSpeed PR 8393), so the "
+        "optimizer would step on gradients too small by the loss scale (65,536 by default) "
+        "and no overflow would ever show. Use bf16 (\"bf16\": {\"enabled\": true}, the "
+        "Trainer's bf16=True), or fp16 under ZeRO stage 1 or 2 (\"zero_optimization\": "
+        "{\"stage\": 1}), which scale the loss correctly (docs/deepspeed.md)")
 
 
 @dataclass
