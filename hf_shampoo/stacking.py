@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 #: every kind is cut into at least this many stacks (fewer only with fewer blocks)
 MIN_STACKS = 8
 #: a stack holds at most this many elements of blocks, unless one block is larger
-STACK_ELEMENTS = 1 << 22
+STACK_ELEMENTS = 1 << 24
 
 
 def stack_count(blocks: int, block_elements: int) -> int:

@@ -110,7 +110,7 @@ def issue53_layouts(mesh: dict) -> list[dict]:
     32)``, Shampoo on a ``(32, 12, 12, 5)`` placed ``[_StridedShard(3, sf=2), Shard(3)]``
     (2.4e-7). Here under products that round by call, with one stack per kind at the
     least: the calls one process makes, which a rank now makes too."""
-    worst = {"min_stacks": 1, "stack_elements": 1 << 22, "batch_variant": True}
+    worst = {"min_stacks": 1, "stack_elements": 1 << 62, "batch_variant": True}
     on = ("dp_shard", "tp")
     tiny = {**lc.KINDS["shampoo"], "kind": "shampoo", "lr": 0.01, "epsilon": 1e-10,
             "max_preconditioner_dim": 32, "precondition_frequency": 2,

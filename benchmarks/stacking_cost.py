@@ -1,0 +1,114 @@
+"""What the stacking rule costs a steady step: stacks cut by ``hf_shampoo/stacking.py``'s
+rule against one stack per kind (what one process ran before the rule), in one process,
+step for step.
+
+Both optimizers run the same model's parameter shapes on fixed random gradients past a
+first refresh (the step counter is set as in ``step_time.py``), then alternate steady steps
+A, B, A, B, ...; it prints the stacks each has, the ATen operators a steady step
+dispatches (a ``TorchDispatchMode`` count, views included), the medians and their ratio.
+
+    python -m benchmarks.stacking_cost --model gpt2 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.common import build_model, hardware, load_average, median, timed_once
+from hf_shampoo import DistributedShampoo, stacking
+
+F = 100_000
+
+
+@contextmanager
+def one_stack_per_kind():
+    saved = stacking.MIN_STACKS, stacking.STACK_ELEMENTS
+    stacking.MIN_STACKS, stacking.STACK_ELEMENTS = 1, 1 << 62
+    try:
+        yield
+    finally:
+        stacking.MIN_STACKS, stacking.STACK_ELEMENTS = saved
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _optimizer(model_name: str, seed: int, config: dict, whole: bool):
+    torch.manual_seed(seed)
+    params = [p for p in build_model(model_name).parameters() if p.requires_grad]
+    grads = [torch.randn_like(p) * 1e-2 for p in params]
+    opt = DistributedShampoo(params, lr=1e-3, max_preconditioner_dim=1024,
+                             precondition_frequency=F, start_preconditioning_step=F,
+                             distributed="none", **config)
+
+    def step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+
+    with one_stack_per_kind() if whole else contextmanager(lambda: (yield))():
+        step()  # lays out (the rule is read here) and allocates the state
+    for group in opt.param_groups:
+        group["step"] = F - 1  # the next step refreshes, the later ones are steady
+    step()
+    return opt, step
+
+
+CONFIGS = {
+    "shampoo + adam grafting": dict(grafting="adam", epsilon=1e-12),
+    "SOAP": dict(preconditioner="eigenvalue_corrected", epsilon=1e-8),
+}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet50", "gpt2", "gpt2-tiny"], default="gpt2")
+    parser.add_argument("--steps", type=int, default=8, help="steady steps per optimizer")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--min-stacks", type=int, default=stacking.MIN_STACKS,
+                        help="the rule's MIN_STACKS (to try others)")
+    parser.add_argument("--stack-elements", type=int, default=stacking.STACK_ELEMENTS,
+                        help="the rule's STACK_ELEMENTS (to try others)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    stacking.MIN_STACKS, stacking.STACK_ELEMENTS = args.min_stacks, args.stack_elements
+    print(f"Hardware: {hardware()}. {args.model} shapes; medians of {args.steps} interleaved "
+          f"steady steps per optimizer; the rule with MIN_STACKS={stacking.MIN_STACKS}, "
+          f"STACK_ELEMENTS={stacking.STACK_ELEMENTS}.\n")
+    print("| configuration | stacks: rule / one per kind | operators per step | "
+          "rule s | one per kind s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name in args.configs:
+        rule, rule_step = _optimizer(args.model, 0, CONFIGS[name], whole=False)
+        whole, whole_step = _optimizer(args.model, 0, CONFIGS[name], whole=True)
+        counts = []
+        for step in (rule_step, whole_step):
+            with _Count() as count:
+                step()
+            counts.append(count.ops)
+        times: dict[str, list[float]] = {"rule": [], "whole": []}
+        for _ in range(args.steps):
+            times["rule"].append(timed_once(rule_step))
+            times["whole"].append(timed_once(whole_step))
+        a, b = median(times["rule"]), median(times["whole"])
+        stacks = f"{len(rule._ensure_layout().stacks)} / {len(whole._ensure_layout().stacks)}"
+        print(f"| {name} | {stacks} | {counts[0]} / {counts[1]} | {a:.3f} | {b:.3f} | "
+              f"{a / b:.3f} |", flush=True)
+        del rule, whole, rule_step, whole_step
+    print(load_average())
+
+
+if __name__ == "__main__":
+    main()
