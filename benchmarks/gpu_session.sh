@@ -80,7 +80,8 @@ lent() {
         models=(gpt2-tiny)
     fi
     check 45
-    local modules=tests
+    # the simulated ranks first: one process and each rank's stacks on the GPU, bit for bit
+    local modules="tests/test_simulated_ranks.py tests"
     [ "$SMOKE" = 1 ] && modules="tests/test_host_sync.py tests/test_kronecker.py"
     echo "== tests (SIGINT after 150 s: pytest prints its summary)" | tee -a "$OUT/tests.log"
     HF_SHAMPOO_TEST_DEVICE=$DEVICE timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider \
@@ -100,7 +101,7 @@ lent() {
 }
 
 followup() {  # the second call of a lent GPU: tests after fixes, what `lent` cut short
-    local modules=tests roots=(--model resnet50 --rounds 1)
+    local modules="tests/test_simulated_ranks.py tests" roots=(--model resnet50 --rounds 1)
     if [ "$SMOKE" = 1 ]; then
         modules="tests/test_host_sync.py tests/test_kronecker.py"
         roots=(--model gpt2-tiny --rounds 1 --threads 1)
