@@ -45,7 +45,7 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -53,8 +53,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..blocking import expert_shape, merged_shape
 from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, did_you_mean, validate_group
-from ..optimizer import DistributedShampoo
+from ..optimizer import DistributedShampoo, ShampooKeywords
 from ..preconditioners import KINDS
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
 # timm's LayerNorm2d) count as well.
@@ -630,9 +633,11 @@ def make_optimizer(
     vocab_size: int | None = None,
     defaults: str = "adamw",
     memory: str = "full",
-    **shampoo_kwargs: Any,
+    **shampoo_kwargs: Unpack[ShampooKeywords],
 ) -> DistributedShampoo:
-    """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in docs/design.md §7.
+    """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in docs/design.md §7
+    (typed by ``ShampooKeywords``, generated from the keyword table: type checkers and IDEs
+    know each one's type, and flag a keyword no option has).
 
     ``weight_decay`` among them applies to the decayed parameters only. ``defaults="adamw"``
     (the default) takes AdamW's learning rate: Adam grafting (``grafting="adam"``) and
