@@ -671,28 +671,29 @@ def make_optimizer(
                          f"(AdamW's learning rate) or 'meta' (Meta's defaults)"
                          f"{did_you_mean(defaults, ('adamw', 'meta'))}")
     chosen = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
+    keywords: dict[str, Any] = dict(shampoo_kwargs)  # a plain dict from here
     if defaults == "adamw" and not getattr(chosen, "spectral_roles", None):
-        shampoo_kwargs = {**ADAMW_DEFAULTS, **shampoo_kwargs}
-    weight_decay = shampoo_kwargs.pop("weight_decay", 0.0)
+        keywords = {**ADAMW_DEFAULTS, **keywords}
+    weight_decay = keywords.pop("weight_decay", 0.0)
     groups = param_groups(
         model,
         preset,
         overrides,
         weight_decay=weight_decay,
         decay_parameter_names=decay_parameter_names,
-        defaults=shampoo_kwargs,
+        defaults=keywords,
         vocab_size=vocab_size,
     )
     if memory == "sketch":
-        every = sketch_statistics_frequency(memory, shampoo_kwargs)
-        groups = sketch_groups(groups, shampoo_kwargs, every)
+        every = sketch_statistics_frequency(memory, keywords)
+        groups = sketch_groups(groups, keywords, every)
         try:
-            optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+            optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **keywords)
         except ValueError as error:  # a keyword sketchy refuses, which the user did not name
             raise ValueError(f"{error} (make_optimizer memory='sketch' makes the Shampoo "
                              "groups preconditioner='sketchy')") from None
     else:
-        optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+        optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **keywords)
     # the names of every parameter, frozen ones too (left out of the groups): a layer
     # unfrozen later and added by add_param_group keeps its name (progressive unfreezing)
     optimizer._known_names = {id(p): name for name, p in
