@@ -3,17 +3,19 @@
 ``TABLE`` is every keyword of ``DistributedShampoo``: the common rows below, then the rows
 each preconditioner kind declares (``Preconditioner.keywords``). From it come ``DEFAULTS``,
 the scope sets (``GLOBAL_KEYS``, ``RUNTIME_KEYS``, ``LAYOUT_KEYS``), the constructor's
-signature (``signature``), ``validate_group`` (each row's check, the common cross-keyword
+signature (``signature``, and its annotated source generated into optimizer.py,
+``signature_source``), ``validate_group`` (each row's check, the common cross-keyword
 rules here, then the group's kind's ``check``), which kinds a keyword acts on
 (``keyword_acts``), the types ``optim_args`` casts to, and the table of docs/keywords.md
-(``keyword_reference``; a test compares them). Errors name the keyword, the value given and
+(``keyword_reference``; tests compare the generated files with them; ``python -m
+hf_shampoo.config`` rewrites both). Errors name the keyword, the value given and
 what is allowed. Nothing here branches on a kind's name: the kinds say what they are.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+import os
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from .keywords import (
     integer,
     is_real,
     real,
+    render_source,
     render_table,
     scoped,
 )
@@ -97,9 +100,9 @@ def _epsilon_check(key: str, value: Any) -> None:
 
 
 COMMON_KEYWORDS: tuple[Keyword, ...] = (
-    Keyword("lr", 1e-2, float, _check_lr, doc=(
+    Keyword("lr", 1e-2, float, _check_lr, annotation="float | torch.Tensor", doc=(
             "learning rate")),
-    Keyword("betas", (0.9, 1.0), tuple, _check_betas, doc=(
+    Keyword("betas", (0.9, 1.0), tuple, _check_betas, annotation="tuple[float, float]", doc=(
             "`(beta1, beta2)`: gradient momentum (0 disables the filter); factor-matrix EMA"
             " (1.0 = sum, AdaGrad-style)")),
     Keyword("beta3", None, float, real(0.0, 1.0, high_open=True), doc=(
@@ -224,7 +227,8 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             "parameters. The module presets (`make_optimizer`, the Trainer) set it for "
             "transformers' experts modules ([Mixture of "
             "experts](transformers.md#mixture-of-experts))")),
-    Keyword("compile", False, bool | dict, _check_compile, scope=scoped('global', 'runtime'), doc=(
+    Keyword("compile", False, bool | dict, _check_compile, scope=scoped('global', 'runtime'),
+            annotation="bool | dict[str, Any]", doc=(
             "`True`: grafting state, grafting, weight decay, momentum and `-lr` (the "
             "elementwise lines 3 and 5–8 of [design §2](design.md)) run as `torch.compile`d"
             " kernels, one pass over memory each; a dict passes `torch.compile`'s keyword "
@@ -291,16 +295,63 @@ FOREIGN_GROUP_KEYS = frozenset(
 
 def signature() -> inspect.Signature:
     """The constructor's signature from the table: ``params``, the ``POSITIONAL`` keywords,
-    then every other keyword by name only."""
+    then every other keyword by name only, each with its row's default and annotation (as
+    source text: ``DistributedShampoo.__init__``'s, generated from here, are strings too)."""
     parameters = [inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                    annotation=Iterable[Any])]
+                                    annotation="Iterable[Any]")]
     for name, row in TABLE.items():
         kind = (inspect.Parameter.POSITIONAL_OR_KEYWORD if name in POSITIONAL
                 else inspect.Parameter.KEYWORD_ONLY)
-        annotation = row.type | None if row.optional else row.type
         parameters.append(inspect.Parameter(name, kind, default=row.default,
-                                            annotation=annotation))
-    return inspect.Signature(parameters, return_annotation=None)
+                                            annotation=row.hint))
+    return inspect.Signature(parameters, return_annotation="None")
+
+
+def signature_source() -> dict[str, list[str]]:
+    """The lines generated into hf_shampoo/optimizer.py, by block: ``"parameters"``, the
+    keywords of ``DistributedShampoo.__init__`` (annotated, with their defaults; a bare
+    ``*`` after the ``POSITIONAL`` ones), and ``"fields"``, those of ``ShampooKeywords``
+    (the ``TypedDict`` that ``make_optimizer``'s ``**keywords`` are typed with)."""
+    parameters, fields = [], []
+    for name, row in TABLE.items():
+        if name not in POSITIONAL and "*," not in parameters:
+            parameters.append("*,")
+        parameters.append(f"{name}: {row.hint} = {render_source(row.default)},")
+        fields.append(f"{name}: {row.hint}")
+    return {"parameters": parameters, "fields": fields}
+
+
+def _source_markers(block: str) -> tuple[str, str]:
+    return f"# <{block}: generated from config.TABLE by python -m hf_shampoo.config>", \
+        f"# </{block}>"
+
+
+def update_signature_source(path: str | None = None) -> bool:
+    """Rewrite the generated blocks of hf_shampoo/optimizer.py (``signature_source``) from
+    ``TABLE``; whether it changed. Each block's lines are indented as its markers are."""
+    path = path or os.path.join(os.path.dirname(__file__), "optimizer.py")
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    new = generated_source(text)
+    if new != text:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(new)
+    return new != text
+
+
+def generated_source(text: str) -> str:
+    """``text`` (hf_shampoo/optimizer.py's) with its generated blocks rendered afresh."""
+    lines = text.split("\n")
+    for block, rendered in signature_source().items():
+        begin, end = _source_markers(block)
+        starts = [i for i, line in enumerate(lines) if line.strip() == begin]
+        if len(starts) != 1:
+            raise ValueError(f"expected one line {begin!r}, found {len(starts)}")
+        start = starts[0]
+        stop = next(i for i in range(start, len(lines)) if lines[i].strip() == end)
+        indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
+        lines[start + 1:stop] = [indent + line for line in rendered]
+    return "\n".join(lines)
 
 
 def keyword_reference() -> str:
@@ -424,6 +475,8 @@ _DOCS_END = "<!-- end of the generated table -->"
 
 if __name__ == "__main__":
     print("docs/keywords.md " + ("updated" if update_keyword_docs() else "already agrees"))
+    print("hf_shampoo/optimizer.py's signature "
+          + ("updated" if update_signature_source() else "already agrees"))
 
 __all__ = ["DEFAULTS", "GLOBAL_KEYS", "KIND_KEYWORDS", "LAYOUT_KEYS", "RUNTIME_KEYS", "TABLE",
            "diagonal_dims", "did_you_mean", "is_elongated", "keyword_acts", "validate_group"]

@@ -27,8 +27,9 @@ Check = Callable[[str, Any], None]
 @dataclass(frozen=True)
 class Keyword:
     """One keyword: ``name``, ``default``, the ``type`` of its values (``optim_args`` casts
-    to it; ``nullable``: ``None`` is valid too), the ``check`` of one value, its ``scope``
-    and its ``doc`` (the meaning column of docs/keywords.md)."""
+    to it; ``nullable``: ``None`` is valid too), the ``check`` of one value, its ``scope``,
+    its ``doc`` (the meaning column of docs/keywords.md) and, where ``type`` says too little
+    for a type checker (``tuple``, ``dict``), the constructor's ``annotation``."""
 
     name: str
     default: Any
@@ -37,6 +38,14 @@ class Keyword:
     doc: str
     scope: frozenset[str] = frozenset()
     nullable: bool | None = None  # None: whether the default is None
+    annotation: str | None = None  # None: from ``type``
+
+    @property
+    def hint(self) -> str:
+        """The annotation of the constructor's parameter (source text): ``annotation`` or
+        the name of ``type``, ``| None`` where ``None`` is valid."""
+        hint = self.annotation or type_name(self.type)
+        return f"{hint} | None" if self.optional else hint
 
     @property
     def optional(self) -> bool:
@@ -135,6 +144,25 @@ def render_default(value: Any) -> str:
         return f'"{value}"'
     if isinstance(value, torch.dtype):
         return str(value)
+    return repr(value).replace("e-0", "e-")
+
+
+def type_name(kind: Any) -> str:
+    """A type as an annotation writes it: ``float``, ``torch.dtype``, ``bool | dict``."""
+    if isinstance(kind, type):
+        module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+        return module + kind.__name__
+    return str(kind)
+
+
+def render_source(value: Any) -> str:
+    """A default as Python source writes it (the generated signature)."""
+    if isinstance(value, str) and '"' not in value and "\\" not in value:
+        return f'"{value}"'
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(render_source, value)) + ("," if len(value) == 1 else "") + ")"
     return repr(value).replace("e-0", "e-")
 
 

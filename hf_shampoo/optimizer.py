@@ -8,11 +8,12 @@ and runs a step as the named stages of ``pipeline.py``, so that nothing is half-
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, overload
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,6 @@ from .config import (
     is_elongated,
     keyword_acts,
     refuse_unknown_keywords,
-    signature,
     validate_group,
     vector_settings,
 )
@@ -46,6 +46,100 @@ from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
 from .state_view import StateView
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+P = ParamSpec("P")
+
+
+def _refusing_unknown_keywords(init: Callable[P, None]) -> Callable[P, None]:
+    """``init``, raising the package's ``TypeError`` (the closest valid names, and every
+    valid keyword) for a keyword it does not take, where Python's own would name none. The
+    signature stays ``init``'s (``functools.wraps``; ``ParamSpec`` for type checkers), so
+    that type checkers flag an unknown keyword too."""
+    known = set(inspect.signature(init).parameters)
+
+    @functools.wraps(init)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> None:
+        unknown = {key: value for key, value in kwargs.items() if key not in known}
+        if unknown:
+            refuse_unknown_keywords(unknown, "DistributedShampoo()")
+        init(*args, **kwargs)
+
+    return checked
+
+
+class ShampooKeywords(TypedDict, total=False):
+    """Every keyword of ``DistributedShampoo`` but ``params``, with its type: what
+    ``make_optimizer``'s ``**keywords`` are typed with (``Unpack[ShampooKeywords]``), so
+    that type checkers and IDEs know them there too. Generated from the keyword table."""
+
+    # <fields: generated from config.TABLE by python -m hf_shampoo.config>
+    lr: float | torch.Tensor
+    betas: tuple[float, float]
+    beta3: float | None
+    epsilon: float
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
+    weight_decay_type: str
+    use_bias_correction: bool
+    max_preconditioner_dim: int
+    precondition_frequency: int
+    start_preconditioning_step: int | None
+    preconditioner: str
+    grafting: str | None
+    grafting_beta2: float
+    grafting_epsilon: float
+    factor_matrix_dtype: torch.dtype
+    distributed: str
+    fsdp_mode: str
+    communication_dtype: torch.dtype
+    num_trainers_per_group: int
+    assignment_cost: str
+    refresh_schedule: str
+    iterate_averaging: str | None
+    eval_interp_coeff: float
+    train_interp_coeff: float
+    eval_coeff_lr_power: float
+    vector_preconditioner: str | None
+    experts: bool
+    compile: bool | dict[str, Any]
+    check_finite_gradients: bool
+    eigendecomposition: str
+    eigenbasis_tolerance: float
+    qr_max_iterations: int
+    eigenbasis_variant: str
+    orthogonalization: str
+    quantization: str | None
+    statistics_frequency: int | None
+    statistics_warmup: int | None
+    inverse_exponent_override: dict[int, float | dict[int, float]] | None
+    inv_factor_matrix_dtype: torch.dtype | None
+    diagonal_aspect: float | None
+    rank_deficient: str
+    rank_atol: float
+    rank_rtol: float | None
+    root_inverse: str
+    root_max_iterations: int
+    root_tolerance: float | None
+    root_order: int
+    root_rel_epsilon: float
+    root_abs_epsilon: float | None
+    spectral_orthogonalization: str
+    newton_schulz_iterations: int
+    newton_schulz_coefficients: tuple[float, float, float]
+    newton_schulz_dtype: torch.dtype | None
+    spectral_lr_adjustment: str | None
+    sign_scale: str | None
+    sketch_rank: int
+    sketch_threshold: int | None
+    sketch_relative_epsilon: bool
+    # </fields>
+    process_group: ProcessGroup | DeviceMesh | None
+
 
 class DistributedShampoo(torch.optim.Optimizer):
     """Shampoo with Kronecker-factored blocks, grafting and data-parallel distribution.
@@ -55,33 +149,87 @@ class DistributedShampoo(torch.optim.Optimizer):
     algorithm.
     """
 
+    @_refusing_unknown_keywords
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = DEFAULTS["lr"],
-        betas: tuple[float, float] = DEFAULTS["betas"],
-        beta3: float | None = DEFAULTS["beta3"],
-        epsilon: float = DEFAULTS["epsilon"],
-        momentum: float = DEFAULTS["momentum"],
-        dampening: float = DEFAULTS["dampening"],
-        nesterov: bool = DEFAULTS["nesterov"],
-        weight_decay: float = DEFAULTS["weight_decay"],
-        **keywords: Any,
+        # <parameters: generated from config.TABLE by python -m hf_shampoo.config>
+        lr: float | torch.Tensor = 0.01,
+        betas: tuple[float, float] = (0.9, 1.0),
+        beta3: float | None = None,
+        epsilon: float = 1e-12,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        *,
+        weight_decay_type: str = "decoupled",
+        use_bias_correction: bool = True,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | None = None,
+        preconditioner: str = "shampoo",
+        grafting: str | None = None,
+        grafting_beta2: float = 0.999,
+        grafting_epsilon: float = 1e-8,
+        factor_matrix_dtype: torch.dtype = torch.float32,
+        distributed: str = "auto",
+        fsdp_mode: str = "lossless",
+        communication_dtype: torch.dtype = torch.float32,
+        num_trainers_per_group: int = -1,
+        assignment_cost: str = "memory",
+        refresh_schedule: str = "all",
+        iterate_averaging: str | None = None,
+        eval_interp_coeff: float = 0.9,
+        train_interp_coeff: float = 0.8,
+        eval_coeff_lr_power: float = 2,
+        vector_preconditioner: str | None = None,
+        experts: bool = False,
+        compile: bool | dict[str, Any] = False,
+        check_finite_gradients: bool = True,
+        eigendecomposition: str = "eigh",
+        eigenbasis_tolerance: float = 0.0,
+        qr_max_iterations: int = 1,
+        eigenbasis_variant: str = "meta",
+        orthogonalization: str = "householder",
+        quantization: str | None = None,
+        statistics_frequency: int | None = None,
+        statistics_warmup: int | None = None,
+        inverse_exponent_override: dict[int, float | dict[int, float]] | None = None,
+        inv_factor_matrix_dtype: torch.dtype | None = None,
+        diagonal_aspect: float | None = None,
+        rank_deficient: str = "perturbation",
+        rank_atol: float = 0.0,
+        rank_rtol: float | None = 0.0,
+        root_inverse: str = "eigh",
+        root_max_iterations: int = 100,
+        root_tolerance: float | None = None,
+        root_order: int = 3,
+        root_rel_epsilon: float = 0.0,
+        root_abs_epsilon: float | None = None,
+        spectral_orthogonalization: str = "newton_schulz",
+        newton_schulz_iterations: int = 5,
+        newton_schulz_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        newton_schulz_dtype: torch.dtype | None = None,
+        spectral_lr_adjustment: str | None = None,
+        sign_scale: str | None = None,
+        sketch_rank: int = 128,
+        sketch_threshold: int | None = None,
+        sketch_relative_epsilon: bool = True,
+        # </parameters>
+        process_group: ProcessGroup | DeviceMesh | None = None,
     ) -> None:
         """The common keywords by position or name, every other keyword of the table
-        (``config.TABLE``, docs/keywords.md) by name; ``__init__.__signature__`` lists them
-        all. ``process_group`` (not a hyperparameter: it is not saved with the groups) is
-        the data-parallel group the blocks are spread over, a ``ProcessGroup`` or a 1-D
-        ``DeviceMesh`` (torch's name, as ``ZeroRedundancyOptimizer`` and DDP take it; a
-        pipeline stage's group: docs/parallelism.md#pipeline-parallel); without it, the
-        world, or the ranks of the DTensor parameters' meshes."""
-        process_group = keywords.pop("process_group", None)
-        unknown = {key: value for key, value in keywords.items() if key not in DEFAULTS}
-        if unknown:
-            refuse_unknown_keywords(unknown, "DistributedShampoo()")
-        defaults = {**DEFAULTS, "lr": lr, "betas": betas, "beta3": beta3, "epsilon": epsilon,
-                    "momentum": momentum, "dampening": dampening, "nesterov": nesterov,
-                    "weight_decay": weight_decay, **keywords}
+        (``config.TABLE``, docs/keywords.md) by name only. ``process_group`` (not a
+        hyperparameter: it is not saved with the groups) is the data-parallel group the
+        blocks are spread over, a ``ProcessGroup`` or a 1-D ``DeviceMesh`` (torch's name, as
+        ``ZeroRedundancyOptimizer`` and DDP take it; a pipeline stage's group:
+        docs/parallelism.md#pipeline-parallel); without it, the world, or the ranks of the
+        DTensor parameters' meshes. The keywords are generated from the table
+        (docs/design.md §7), so that type checkers and IDEs see each one's type and default;
+        an unknown keyword raises ``TypeError`` naming the closest valid ones."""
+        given = locals()  # first: the arguments, by name
+        defaults = {name: given[name] for name in DEFAULTS}
         for key in ("betas", "newton_schulz_coefficients"):
             if isinstance(defaults[key], list):
                 defaults[key] = tuple(defaults[key])
@@ -106,12 +254,6 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._in_own_view = False
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
-
-    __init__.__signature__ = signature().replace(parameters=[  # type: ignore[attr-defined]
-        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        *signature().parameters.values(),
-        inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None,
-                          annotation="ProcessGroup | DeviceMesh | None")])
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -31,7 +31,8 @@ def test_docs_keywords_md_is_the_table():
 
 def test_signature_is_the_table():
     """The table's keywords, then ``process_group`` (keyword only, not a hyperparameter:
-    it is not saved with the groups)."""
+    it is not saved with the groups): names, kinds, defaults and annotations are the
+    table's (``config.signature()``)."""
     parameters = list(inspect.signature(DistributedShampoo).parameters.values())
     assert parameters[0].name == "params"
     assert [p.name for p in parameters[1:]] == [*config.TABLE, "process_group"]
@@ -40,9 +41,43 @@ def test_signature_is_the_table():
     parameters = parameters[:-1]
     for p in parameters[1:]:
         assert p.default == config.DEFAULTS[p.name]
+        assert type(p.default) is type(config.DEFAULTS[p.name]), p.name
         positional = p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
         assert positional == (p.name in config.POSITIONAL), p.name
     assert list(config.POSITIONAL) == list(config.TABLE)[:len(config.POSITIONAL)]
+    assert parameters == list(config.signature().parameters.values())
+
+
+def test_generated_signature_is_current():
+    """optimizer.py's generated blocks (the constructor's keywords, ``ShampooKeywords``)
+    are what ``python -m hf_shampoo.config`` writes from the table now."""
+    text = (ROOT / "hf_shampoo" / "optimizer.py").read_text(encoding="utf-8")
+    assert config.generated_source(text) == text, (
+        "hf_shampoo/optimizer.py's signature disagrees with the keyword table: run "
+        "`python -m hf_shampoo.config`")
+
+
+def test_make_optimizer_keywords_are_the_table():
+    """``make_optimizer``'s ``**keywords`` are typed by ``ShampooKeywords``: every keyword
+    of the table, then ``process_group``, none required, annotated as the constructor's."""
+    from hf_shampoo import make_optimizer
+    from hf_shampoo.optimizer import ShampooKeywords
+
+    assert list(ShampooKeywords.__annotations__) == [*config.TABLE, "process_group"]
+    assert not ShampooKeywords.__required_keys__
+    keywords = inspect.signature(make_optimizer).parameters["shampoo_kwargs"]
+    assert keywords.kind is inspect.Parameter.VAR_KEYWORD
+    assert keywords.annotation == "Unpack[ShampooKeywords]"
+
+
+def test_the_generated_source_renders_every_default():
+    """Each default written into the signature reads back as the table's value."""
+    namespace = {"torch": torch}
+    for name, row in config.TABLE.items():
+        source = next(line for line in config.signature_source()["parameters"]
+                      if line.startswith(f"{name}:"))
+        value = eval(source.split(" = ", 1)[1].rstrip(","), namespace)
+        assert value == row.default and type(value) is type(row.default), name
 
 
 def test_switches_are_keyword_only():

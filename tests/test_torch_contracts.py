@@ -155,6 +155,31 @@ def test_state_dict_hooks_run_as_in_torch():
     assert calls[2:] == [("load_pre", "added by a hook"), ("load_post", True)]
 
 
+def test_state_dict_hooks_order_and_removal_as_in_torch():
+    """Hooks registered with torch's public methods run in torch's order (``prepend=True``
+    first) and stop running once their handle is removed, as with torch's SGD."""
+    def calls_of(opt: torch.optim.Optimizer) -> list[str]:
+        calls: list[str] = []
+        handles = []
+        for kind in ("state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                     "load_state_dict_post"):
+            register = getattr(opt, f"register_{kind}_hook")
+            for name, prepend in (("a", False), ("b", True), ("c", False)):
+                handles.append(register(
+                    lambda *args, _n=f"{kind}:{name}": calls.append(_n), prepend=prepend))
+        opt.load_state_dict(opt.state_dict())
+        handles[0].remove()  # state_dict_pre:a
+        opt.state_dict()
+        return calls
+
+    model = _model()
+    ours = DistributedShampoo(model.parameters(), **CONFIG)
+    _train(model, ours, 1, seed=0)
+    torchs = torch.optim.SGD(_model().parameters(), lr=0.1)
+    assert calls_of(ours) == calls_of(torchs)
+    assert calls_of(torchs)[:3] == ["state_dict_pre:b", "state_dict_pre:a", "state_dict_pre:c"]
+
+
 def test_saved_param_names_survive_a_load_into_unnamed_groups():
     model = _model()
     named = DistributedShampoo(model.named_parameters(), **CONFIG)

@@ -8,6 +8,13 @@ distributor's facts (rank, world, whether the state is sharded, the key prefix);
 stored in ``optimizer.state``: keys under a parameter (timm's Lookahead slow weights) and
 keys that are not parameters (hooks' flags), as torch's ``Optimizer`` does. Nothing here
 imports the optimizer: it is handed the objects it works on.
+
+Users register the hooks with torch's public methods (``register_state_dict_pre_hook`` /
+``_post_hook``, ``register_load_state_dict_pre_hook`` / ``_post_hook``); since the
+optimizer replaces ``state_dict`` / ``load_state_dict``, it runs them itself, reading the
+dicts those methods fill (``_optimizer_state_dict_pre_hooks`` ...: torch offers no public
+way to read them, and its own methods iterate the same dicts, prepended hooks first).
+tests/test_torch_contracts.py checks that hooks registered publicly run as in torch.
 """
 
 from __future__ import annotations

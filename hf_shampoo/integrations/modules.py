@@ -45,7 +45,7 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -53,8 +53,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..blocking import expert_shape, merged_shape
 from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, did_you_mean, validate_group
-from ..optimizer import DistributedShampoo
+from ..optimizer import DistributedShampoo, ShampooKeywords
 from ..preconditioners import KINDS
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # Torch's normalisation layers; classes named "...Norm..." (LlamaRMSNorm, T5LayerNorm,
 # timm's LayerNorm2d) count as well.
@@ -630,9 +633,11 @@ def make_optimizer(
     vocab_size: int | None = None,
     defaults: str = "adamw",
     memory: str = "full",
-    **shampoo_kwargs: Any,
+    **shampoo_kwargs: Unpack[ShampooKeywords],
 ) -> DistributedShampoo:
-    """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in docs/design.md §7.
+    """``DistributedShampoo`` over ``param_groups(model, ...)``; keywords as in docs/design.md §7
+    (typed by ``ShampooKeywords``, generated from the keyword table: type checkers and IDEs
+    know each one's type, and flag a keyword no option has).
 
     ``weight_decay`` among them applies to the decayed parameters only. ``defaults="adamw"``
     (the default) takes AdamW's learning rate: Adam grafting (``grafting="adam"``) and
@@ -666,28 +671,29 @@ def make_optimizer(
                          f"(AdamW's learning rate) or 'meta' (Meta's defaults)"
                          f"{did_you_mean(defaults, ('adamw', 'meta'))}")
     chosen = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
+    keywords: dict[str, Any] = dict(shampoo_kwargs)  # a plain dict from here
     if defaults == "adamw" and not getattr(chosen, "spectral_roles", None):
-        shampoo_kwargs = {**ADAMW_DEFAULTS, **shampoo_kwargs}
-    weight_decay = shampoo_kwargs.pop("weight_decay", 0.0)
+        keywords = {**ADAMW_DEFAULTS, **keywords}
+    weight_decay = keywords.pop("weight_decay", 0.0)
     groups = param_groups(
         model,
         preset,
         overrides,
         weight_decay=weight_decay,
         decay_parameter_names=decay_parameter_names,
-        defaults=shampoo_kwargs,
+        defaults=keywords,
         vocab_size=vocab_size,
     )
     if memory == "sketch":
-        every = sketch_statistics_frequency(memory, shampoo_kwargs)
-        groups = sketch_groups(groups, shampoo_kwargs, every)
+        every = sketch_statistics_frequency(memory, keywords)
+        groups = sketch_groups(groups, keywords, every)
         try:
-            optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+            optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **keywords)
         except ValueError as error:  # a keyword sketchy refuses, which the user did not name
             raise ValueError(f"{error} (make_optimizer memory='sketch' makes the Shampoo "
                              "groups preconditioner='sketchy')") from None
     else:
-        optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **shampoo_kwargs)
+        optimizer = DistributedShampoo(groups, weight_decay=weight_decay, **keywords)
     # the names of every parameter, frozen ones too (left out of the groups): a layer
     # unfrozen later and added by add_param_group keeps its name (progressive unfreezing)
     optimizer._known_names = {id(p): name for name, p in

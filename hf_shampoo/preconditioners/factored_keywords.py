@@ -79,7 +79,7 @@ FACTORED_KEYWORDS = (
             "`precondition_frequency`), so the first roots are those of 32 bits; `0` → no "
             "warm-up (one sample per refresh from the start)")),
     Keyword("inverse_exponent_override", None, dict, check_exponent_override,
-            scope=scoped('layout'), doc=(
+            scope=scoped('layout'), annotation="dict[int, float | dict[int, float]]", doc=(
             "`{order: e}` or `{order: {dim: e}}` root exponents; `e = 0` leaves a dim "
             "unpreconditioned (default: `1/(2·order)` for `\"shampoo\"`; with "
             "`\"eigenvalue_corrected\"`, `{order: e}` is the exponent of the corrected "

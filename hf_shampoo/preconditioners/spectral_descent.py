@@ -37,7 +37,7 @@ SPECTRAL_KEYWORDS = (
     Keyword("newton_schulz_iterations", 5, int, integer(1), doc=(
             "spectral descent: Newton–Schulz iterations")),
     Keyword("newton_schulz_coefficients", (3.4445, -4.7750, 2.0315), tuple, _check_coefficients,
-            doc=(
+            annotation="tuple[float, float, float]", doc=(
             "spectral descent: `(a, b, c)` of `X ← aX + b(XXᵀ)X + c(XXᵀ)²X` (Muon's)")),
     Keyword("newton_schulz_dtype", None, torch.dtype,
             choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16),
