@@ -50,8 +50,9 @@ fuzz: venv
 		$(PY) -m pytest -q $(FUZZ_FILES)
 
 # The oldest supported releases (tools/floors.txt) in their own venv (.venv-floors, Python
-# 3.10): the unit layer, the integrations' tests and a small distributed subset (README,
-# "Compatibility"). CI tests the newest releases; this is run by hand when a floor moves.
+# 3.10): the unit layer, the integrations' tests and a small distributed subset
+# (docs/compatibility.md). CI tests the newest releases; this is run by hand when a floor
+# moves.
 floors:
 	tools/floors.sh
 

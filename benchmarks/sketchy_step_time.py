@@ -1,4 +1,4 @@
-"""Sketchy's step time against Shampoo's at the same blocks (docs/sketchy.md#cost).
+"""Sketchy's step time against Shampoo's at the same blocks (docs/benchmarks/sketchy.md#step-time).
 
 Both optimizers run on the same parameter shapes, the same fixed random gradients and the
 same blocks, in interleaved rounds (machine load hits them alike; medians reported). The

@@ -51,8 +51,10 @@ Rules, by the fence's language tag:
   fails the test.
 
 Also checked: every relative link (and ``#anchor``, by GitHub's heading slugs) of these
-files, BENCHMARKS.md, docs/benchmarks/ and the folders' README.md files resolves. The runs
-that start two processes under torchrun are marked ``slow``.
+files, BENCHMARKS.md, docs/benchmarks/ and the folders' README.md files resolves; README.md
+stays a front page (at most ``README_MAX_LINES`` lines, the Trainer example before line
+``TRAINER_EXAMPLE_BEFORE_LINE``). The runs that start two processes under torchrun are marked
+``slow``.
 """
 
 from __future__ import annotations
@@ -684,3 +686,29 @@ def test_relative_links_resolve():
             elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                 broken.append(f"{rel(path)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+# ---------------------------------------------------------------- the front page
+
+README_MAX_LINES = 150
+TRAINER_EXAMPLE_BEFORE_LINE = 60
+
+
+def test_the_readme_is_a_front_page():
+    """README.md is read first: at most 150 lines, and the Hugging Face Trainer example
+    (``TrainingArguments(optim="distributed_shampoo")``, a python block that runs) before line
+    60. Compatibility, results and the details of each feature live on the pages it links to."""
+    readme = REPO / "README.md"
+    n_lines = len(readme.read_text().splitlines())
+    assert n_lines <= README_MAX_LINES, (
+        f"README.md has {n_lines} lines (at most {README_MAX_LINES}): move the details to "
+        "docs/ or BENCHMARKS.md and link them")
+    trainer_lines = [block.line + offset for block in python_blocks(readme)
+                     if "TrainingArguments(" in block.code
+                     for offset, line in enumerate(block.code.split("\n"))
+                     if 'optim="distributed_shampoo"' in line.split("#", 1)[0]]
+    assert trainer_lines, \
+        'README.md has no python block with TrainingArguments(optim="distributed_shampoo")'
+    assert trainer_lines[0] < TRAINER_EXAMPLE_BEFORE_LINE, (
+        f"the Trainer example's optim=\"distributed_shampoo\" is on README.md:{trainer_lines[0]}, "
+        f"not before line {TRAINER_EXAMPLE_BEFORE_LINE}")

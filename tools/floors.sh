@@ -4,8 +4,8 @@
 # supported Python, in a virtual environment of their own, running the unit layer, the
 # integration tests of the libraries at their floors and a small distributed subset (DDP,
 # FSDP2 / HSDP, tensor parallel, DCP resumes across meshes). CI tests the newest releases
-# (`make test`); this is run by hand when a floor moves or a release nears (README,
-# "Compatibility", records what ran).
+# (`make test`); this is run by hand when a floor moves or a release nears
+# (docs/compatibility.md records what ran).
 #
 #   tools/floors.sh                         # Python 3.10 (FLOORS_PYTHON), venv .venv-floors
 #   FLOORS_VENV=/tmp/floors tools/floors.sh
