@@ -157,7 +157,11 @@ def _pipeline_stage(meshes: list[tuple[int, Tensor]]) -> RankGroup | None:
     of every slice of the root, so every rank builds its stage's optimizer at the same
     point, as training scripts do). None otherwise (the world: along a dim no parameter
     lives on, ranks hold replicas of the same parameters, unless it is the ``"pp"`` dim)."""
-    roots = {id(root): root for root in (p.device_mesh._get_root_mesh() for _, p in meshes)}
+    # by value, not identity: two meshes built alike (a resume's mesh beside the first one)
+    # are one layout, and torch may hand either back as a sub-mesh's root
+    roots = {(tuple(root.mesh.shape), tuple(root.mesh.flatten().tolist()),
+              tuple(root.mesh_dim_names or ())): root
+             for root in (p.device_mesh._get_root_mesh() for _, p in meshes)}
     if len(roots) != 1:
         return None
     (root,) = roots.values()
