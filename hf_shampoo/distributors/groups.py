@@ -157,14 +157,24 @@ def _pipeline_stage(meshes: list[tuple[int, Tensor]]) -> RankGroup | None:
     of every slice of the root, so every rank builds its stage's optimizer at the same
     point, as training scripts do). None otherwise (the world: along a dim no parameter
     lives on, ranks hold replicas of the same parameters, unless it is the ``"pp"`` dim)."""
-    # by value, not identity: two meshes built alike (a resume's mesh beside the first one)
-    # are one layout, and torch may hand either back as a sub-mesh's root
-    roots = {(tuple(root.mesh.shape), tuple(root.mesh.flatten().tolist()),
-              tuple(root.mesh_dim_names or ())): root
+    # Roots by value, not identity: two meshes built alike (a resume's mesh beside the
+    # first one) are one layout. And torch caches sub-meshes by value across roots, so a
+    # sub-mesh may come back as another mesh's child (a size-1 "dp_shard" of rank 0 is
+    # any mesh's): the root is the one root with a "pp" dim, where every sub-mesh is one
+    # of its slices (its dims among the root's, its ranks within this rank's stage).
+    roots = {_mesh_key(root): root
              for root in (p.device_mesh._get_root_mesh() for _, p in meshes)}
-    if len(roots) != 1:
+    staged = {k: r for k, r in roots.items() if PIPELINE_DIM in k[2]}
+    if len(staged) == 1 and len(roots) > 1:
+        ((key, root),) = staged.items()
+        if not all(_inside(p.device_mesh, root) for _, p in meshes):
+            return None
+    elif len(roots) == 1:
+        ((key, root),) = roots.items()
+    else:
         return None
-    (root,) = roots.values()
+    if key in _STAGES:  # found before: the same group, whichever alike mesh torch handed back
+        return _STAGES[key]
     dims = tuple(root.mesh_dim_names or ())
     if PIPELINE_DIM not in dims or root.mesh.shape[dims.index(PIPELINE_DIM)] == 1:
         return None
@@ -175,7 +185,35 @@ def _pipeline_stage(meshes: list[tuple[int, Tensor]]) -> RankGroup | None:
         return None
     stage = root[other] if len(other) > 1 else root[other[0]]
     group = stage._flatten().get_group() if len(other) > 1 else stage.get_group()
-    return _known(group)
+    _STAGES[key] = found = _known(group)
+    return found
+
+
+def _mesh_key(mesh) -> tuple:
+    """A mesh by value: its shape, ranks and dim names."""
+    return (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+            tuple(mesh.mesh_dim_names or ()))
+
+
+def _inside(sub, root) -> bool:
+    """Whether ``sub`` is a slice of ``root`` within this rank's stage: its dims are the
+    root's (not ``"pp"``), its ranks in the root's slice at this rank's ``"pp"`` index."""
+    dims = tuple(root.mesh_dim_names or ())
+    names = tuple(sub.mesh_dim_names or ())
+    if not names or PIPELINE_DIM in names or not set(names) <= set(dims):
+        return False
+    me = dist.get_rank()
+    where = (root.mesh == me).nonzero()
+    if where.numel() == 0:
+        return False
+    stage = root.mesh.select(dims.index(PIPELINE_DIM), int(where[0][dims.index(PIPELINE_DIM)]))
+    return set(sub.mesh.flatten().tolist()) <= set(stage.flatten().tolist())
+
+
+#: each root mesh's (by shape, ranks and dim names) pipeline stage of this rank, once found:
+#: flattening another mesh built alike would create groups on the ranks that happen to be
+#: handed that mesh only (a hang)
+_STAGES: dict[tuple, RankGroup] = {}
 
 
 def mesh_ranks(param: Tensor) -> tuple[int, ...]:
