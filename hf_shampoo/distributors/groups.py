@@ -196,11 +196,11 @@ def _mesh_key(mesh) -> tuple:
 
 
 def _inside(sub, root) -> bool:
-    """Whether ``sub`` is a slice of ``root`` within this rank's stage: its dims are the
-    root's (not ``"pp"``), its ranks in the root's slice at this rank's ``"pp"`` index."""
+    """Whether ``sub`` lies within this rank's stage of ``root``: not along ``"pp"``, its
+    ranks in the root's slice at this rank's ``"pp"`` index (its dims may be the root's or
+    flattened ones)."""
     dims = tuple(root.mesh_dim_names or ())
-    names = tuple(sub.mesh_dim_names or ())
-    if not names or PIPELINE_DIM in names or not set(names) <= set(dims):
+    if PIPELINE_DIM in (sub.mesh_dim_names or ()):
         return False
     me = dist.get_rank()
     where = (root.mesh == me).nonzero()
