@@ -160,26 +160,21 @@ def _pipeline_stage(meshes: list[tuple[int, Tensor]]) -> RankGroup | None:
     # Roots by value, not identity: two meshes built alike (a resume's mesh beside the
     # first one) are one layout. And torch caches sub-meshes by value across roots, so a
     # sub-mesh may come back as another mesh's child (a size-1 "dp_shard" of rank 0 is
-    # any mesh's): the root is the one root with a "pp" dim, where every sub-mesh is one
-    # of its slices (its dims among the root's, its ranks within this rank's stage).
+    # any mesh's): the stage is that of the roots with a "pp" dim within whose stage at
+    # this rank every sub-mesh lies (by ranks), provided they agree on it; the group is
+    # found once per root shape, ranks and "pp" position, so that every rank of the world
+    # flattens (a collective) at the same layout, whichever alike root it was handed.
     roots = {_mesh_key(root): root
              for root in (p.device_mesh._get_root_mesh() for _, p in meshes)}
-    staged = {k: r for k, r in roots.items() if PIPELINE_DIM in k[2]}
-    if len(staged) == 1 and len(roots) > 1:
-        ((key, root),) = staged.items()
-        if not all(_inside(p.device_mesh, root) for _, p in meshes):
-            return None
-    elif len(roots) == 1:
-        ((key, root),) = roots.items()
-    else:
+    fitting = [(k, r) for k, r in roots.items()
+               if PIPELINE_DIM in k[2] and k[0][k[2].index(PIPELINE_DIM)] > 1
+               and all(_inside(p.device_mesh, r) for _, p in meshes)]
+    if not fitting or len({_stage_key(k) for k, _ in fitting}) != 1:
         return None
+    key, root = _stage_key(fitting[0][0]), fitting[0][1]
     if key in _STAGES:  # found before: the same group, whichever alike mesh torch handed back
         return _STAGES[key]
     dims = tuple(root.mesh_dim_names or ())
-    if PIPELINE_DIM not in dims or root.mesh.shape[dims.index(PIPELINE_DIM)] == 1:
-        return None
-    if any(PIPELINE_DIM in (p.device_mesh.mesh_dim_names or ()) for _, p in meshes):
-        return None
     other = tuple(d for d in dims if d != PIPELINE_DIM)
     if not other:
         return None
@@ -193,6 +188,11 @@ def _mesh_key(mesh) -> tuple:
     """A mesh by value: its shape, ranks and dim names."""
     return (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
             tuple(mesh.mesh_dim_names or ()))
+
+
+def _stage_key(key: tuple) -> tuple:
+    """What a root's stages depend on: its shape, ranks and where its ``"pp"`` dim is."""
+    return key[0], key[1], key[2].index(PIPELINE_DIM)
 
 
 def _inside(sub, root) -> bool:
@@ -210,7 +210,7 @@ def _inside(sub, root) -> bool:
     return set(sub.mesh.flatten().tolist()) <= set(stage.flatten().tolist())
 
 
-#: each root mesh's (by shape, ranks and dim names) pipeline stage of this rank, once found:
+#: each root mesh's (by ``_stage_key``) pipeline stage of this rank, once found:
 #: flattening another mesh built alike would create groups on the ranks that happen to be
 #: handed that mesh only (a hang)
 _STAGES: dict[tuple, RankGroup] = {}
