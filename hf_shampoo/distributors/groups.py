@@ -162,17 +162,18 @@ def _pipeline_stage(meshes: list[tuple[int, Tensor]]) -> RankGroup | None:
     # sub-mesh may come back as another mesh's child (a size-1 "dp_shard" of rank 0 is
     # any mesh's): the stage is that of the roots with a "pp" dim within whose stage at
     # this rank every sub-mesh lies (by ranks), provided they agree on it; the group is
-    # found once per root shape, ranks and "pp" position, so that every rank of the world
-    # flattens (a collective) at the same layout, whichever alike root it was handed.
+    # found once per stage (its ranks), so that every rank of the world flattens (a
+    # collective) at the same layout, whichever root it was handed.
     roots = {_mesh_key(root): root
              for root in (p.device_mesh._get_root_mesh() for _, p in meshes)}
     fitting = [(k, r) for k, r in roots.items()
                if PIPELINE_DIM in k[2] and k[0][k[2].index(PIPELINE_DIM)] > 1
                and all(_inside(p.device_mesh, r) for _, p in meshes)]
-    if not fitting or len({_stage_key(k) for k, _ in fitting}) != 1:
+    stages = {_stage_ranks(r) for _, r in fitting}
+    if len(stages) != 1:
         return None
-    key, root = _stage_key(fitting[0][0]), fitting[0][1]
-    if key in _STAGES:  # found before: the same group, whichever alike mesh torch handed back
+    key, root = stages.pop(), fitting[0][1]
+    if key in _STAGES:  # found before: the same group, whichever mesh torch handed back
         return _STAGES[key]
     dims = tuple(root.mesh_dim_names or ())
     other = tuple(d for d in dims if d != PIPELINE_DIM)
@@ -190,29 +191,29 @@ def _mesh_key(mesh) -> tuple:
             tuple(mesh.mesh_dim_names or ()))
 
 
-def _stage_key(key: tuple) -> tuple:
-    """What a root's stages depend on: its shape, ranks and where its ``"pp"`` dim is."""
-    return key[0], key[1], key[2].index(PIPELINE_DIM)
+def _stage_ranks(root) -> tuple[int, ...]:
+    """This rank's stage of ``root`` (a mesh with a ``"pp"`` dim): the ranks of its slice
+    at this rank's ``"pp"`` index, sorted; empty where this rank is not in ``root``."""
+    dims = tuple(root.mesh_dim_names or ())
+    where = (root.mesh == dist.get_rank()).nonzero()
+    if where.numel() == 0:
+        return ()
+    pp = dims.index(PIPELINE_DIM)
+    return tuple(sorted(root.mesh.select(pp, int(where[0][pp])).flatten().tolist()))
 
 
 def _inside(sub, root) -> bool:
     """Whether ``sub`` lies within this rank's stage of ``root``: not along ``"pp"``, its
-    ranks in the root's slice at this rank's ``"pp"`` index (its dims may be the root's or
-    flattened ones)."""
-    dims = tuple(root.mesh_dim_names or ())
+    ranks among the stage's (its dims may be the root's or flattened ones)."""
     if PIPELINE_DIM in (sub.mesh_dim_names or ()):
         return False
-    me = dist.get_rank()
-    where = (root.mesh == me).nonzero()
-    if where.numel() == 0:
-        return False
-    stage = root.mesh.select(dims.index(PIPELINE_DIM), int(where[0][dims.index(PIPELINE_DIM)]))
-    return set(sub.mesh.flatten().tolist()) <= set(stage.flatten().tolist())
+    stage = _stage_ranks(root)
+    return bool(stage) and set(sub.mesh.flatten().tolist()) <= set(stage)
 
 
-#: each root mesh's (by ``_stage_key``) pipeline stage of this rank, once found:
-#: flattening another mesh built alike would create groups on the ranks that happen to be
-#: handed that mesh only (a hang)
+#: this rank's pipeline stage groups by their ranks, once found: every rank finds its stage
+#: at the same layouts, so every rank looks its own up alike; flattening another mesh whose
+#: stage is the same would create groups on the ranks handed that mesh only (a hang)
 _STAGES: dict[tuple, RankGroup] = {}
 
 
