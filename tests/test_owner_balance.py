@@ -9,7 +9,7 @@ import torch
 
 from hf_shampoo import DistributedShampoo, make_optimizer
 from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment
-from hf_shampoo.distributors.base import STAGGERED_SLACK
+from hf_shampoo.distributors.base import STAGGERED_SLACK, owners_of_blocks, single_units
 from hf_shampoo.distributors.ddp import DataParallelDistributor
 from hf_shampoo.distributors.fsdp import ShardedDistributor
 from hf_shampoo.distributors.placements import chunk_boxes
@@ -38,10 +38,9 @@ class _SlotBlindPlan(_DataParallelPlan):
 
     def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
         costs = costs or [block_cost(s) for s in block_shapes]
-        units = units or [[i] for i in range(len(block_shapes))]
+        units = single_units(units, len(block_shapes))
         owners = greedy_assignment([sum(costs[i] for i in u) for u in units], self.world_size)
-        return [owners[next(k for k, u in enumerate(units) if i in u)]
-                for i in range(len(block_shapes))]
+        return owners_of_blocks(owners, units, len(block_shapes))
 
 
 def _sharded_plan(world: int) -> ShardedDistributor:

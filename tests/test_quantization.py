@@ -359,6 +359,7 @@ def test_a_rows_first_decomposition_does_not_depend_on_its_stack(monkeypatch, mi
     a (17,) parameter in blocks of 4 on 2 ranks); here each rank's share is computed in one
     process (``distributor`` set to DDP's assignment of that rank)."""
     from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment
+    from hf_shampoo.distributors.base import owners_of_blocks
 
     class Owner(SingleProcessDistributor):
         """Rank ``rank`` of ``world`` under DDP's assignment: only its blocks computed."""
@@ -370,8 +371,7 @@ def test_a_rows_first_decomposition_does_not_depend_on_its_stack(monkeypatch, mi
         def assign(self, blocks, block_shapes, costs=None, slots=None, units=None):
             owners = greedy_assignment([sum(block_cost(block_shapes[i]) for i in unit)
                                         for unit in units], self.world_size)
-            return [owners[next(k for k, u in enumerate(units) if i in u)]
-                    for i in range(len(block_shapes))]
+            return owners_of_blocks(owners, units, len(block_shapes))
 
     monkeypatch.setattr(quantization, "MIN_QUANTIZED_ELEMENTS", 16)
     monkeypatch.setattr(stacking, "MIN_STACKS", min_stacks)  # 2: stacks of two (4,) blocks

@@ -166,13 +166,15 @@ def _pipeline_stage(meshes: list[tuple[int, Tensor]]) -> RankGroup | None:
     # collective) at the same layout, whichever root it was handed.
     roots = {_mesh_key(root): root
              for root in (p.device_mesh._get_root_mesh() for _, p in meshes)}
-    fitting = [(k, r) for k, r in roots.items()
-               if PIPELINE_DIM in k[2] and k[0][k[2].index(PIPELINE_DIM)] > 1
-               and all(_inside(p.device_mesh, r) for _, p in meshes)]
-    stages = {_stage_ranks(r) for _, r in fitting}
-    if len(stages) != 1:
+    fitting = []  # (this rank's stage, root) of the roots every sub-mesh lies within
+    for k, r in roots.items():
+        if PIPELINE_DIM in k[2] and k[0][k[2].index(PIPELINE_DIM)] > 1:
+            stage = _stage_ranks(r)
+            if stage and all(_inside(p.device_mesh, stage) for _, p in meshes):
+                fitting.append((stage, r))
+    if len({stage for stage, _ in fitting}) != 1:
         return None
-    key, root = stages.pop(), fitting[0][1]
+    key, root = fitting[0]
     if key in _STAGES:  # found before: the same group, whichever mesh torch handed back
         return _STAGES[key]
     dims = tuple(root.mesh_dim_names or ())
@@ -202,13 +204,12 @@ def _stage_ranks(root) -> tuple[int, ...]:
     return tuple(sorted(root.mesh.select(pp, int(where[0][pp])).flatten().tolist()))
 
 
-def _inside(sub, root) -> bool:
-    """Whether ``sub`` lies within this rank's stage of ``root``: not along ``"pp"``, its
-    ranks among the stage's (its dims may be the root's or flattened ones)."""
+def _inside(sub, stage: tuple[int, ...]) -> bool:
+    """Whether ``sub`` lies within ``stage`` (a root's ``_stage_ranks``): not along
+    ``"pp"``, its ranks among the stage's (its dims may be the root's or flattened ones)."""
     if PIPELINE_DIM in (sub.mesh_dim_names or ()):
         return False
-    stage = _stage_ranks(root)
-    return bool(stage) and set(sub.mesh.flatten().tolist()) <= set(stage)
+    return set(sub.mesh.flatten().tolist()) <= set(stage)
 
 
 #: this rank's pipeline stage groups by their ranks, once found: every rank finds its stage
