@@ -185,6 +185,16 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             " its own offset within the `precondition_frequency` window, so no step spikes "
             "(see [Performance](performance.md#refresh_schedulestaggered)); `make_optimizer`,"
             " the Trainer and timm default to `\"staggered\"`")),
+    Keyword("refresh_delay", 0, int, integer(0), scope=scoped('layout'), doc=(
+            "`0`: a block's refresh (roots, eigenbases, the adaptive criterion, Sketchy's "
+            "low-rank roots) runs in the step that schedules it, as Meta's. `d >= 1`: it is "
+            "computed from the block's statistics of that step in a worker thread (on CUDA "
+            "a side stream) while training goes on, and used from `d` steps later on; the "
+            "steps between use the previous result. The numbers depend on `d` only, not on "
+            "timing; at most the steps between two refreshes (`precondition_frequency`); "
+            "not with `quantization=\"4bit\"`. Keeps a pending copy of the roots or bases "
+            "(saved in checkpoints, so a save with a refresh pending resumes exactly). See "
+            "[performance](performance.md#refresh_delay)")),
     Keyword("iterate_averaging", None, str, choice(None, "gpa", "schedule_free"),
             scope=scoped('layout'), doc=(
             "`None`, `\"gpa\"` (generalized primal averaging, arXiv 2512.17131; Meta's "

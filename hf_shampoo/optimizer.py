@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, health, pipeline, stacking
+from . import averaging, delayed_refresh, health, pipeline, stacking
 from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
@@ -41,6 +41,7 @@ from .distributors.zero import (
     find_zero_partitions,
     refuse_deepspeed_fp16_stage0,
 )
+from .delayed_refresh import Refresher
 from .pipeline import Layout
 from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
@@ -100,6 +101,7 @@ class ShampooKeywords(TypedDict, total=False):
     num_trainers_per_group: int
     assignment_cost: str
     refresh_schedule: str
+    refresh_delay: int
     iterate_averaging: str | None
     eval_interp_coeff: float
     train_interp_coeff: float
@@ -179,6 +181,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         num_trainers_per_group: int = -1,
         assignment_cost: str = "memory",
         refresh_schedule: str = "all",
+        refresh_delay: int = 0,
         iterate_averaging: str | None = None,
         eval_interp_coeff: float = 0.9,
         train_interp_coeff: float = 0.8,
@@ -237,6 +240,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._layout: Layout | None = None
         self._consolidation = saving.Consolidation()
         self._workspace = Workspace()
+        self._refresher = Refresher()  # refresh_delay's worker (delayed_refresh.py)
         self._health = health.StepHealth()  # the last refresh, for metrics()
         self._schedules: dict[int, tuple] = {}  # group index → (schedule, f) of its offsets
         self._distributor: Distributor | None = None
@@ -630,6 +634,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             if carried is not None:
                 saving.unpack_state(carried, self.param_groups, self._layout.owned,
                                     self._distributor, self._layout.blockings)
+                delayed_refresh.restore(self._layout.owned, self.param_groups)
         elif not set(wanted) <= self._layout.blockings.keys():
             self._extend_layout(self._layout, wanted)
         return self._layout
@@ -731,6 +736,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         jobs = pipeline.gather_gradients(layout, groups, steps, active, distributor,
                                          self._param_rows)
         pipeline.check_refreshed_factors(jobs, layout, groups, steps, active, distributor)
+        pipeline.apply_delayed_refreshes(jobs, layout, groups, steps, self._refresher)
         averaged = [averaging.step_coefficients(group) for group in groups]
         for stack, job in jobs:
             job.averaging = averaged[stack.group_index][0]
@@ -855,6 +861,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         layout = self._ensure_layout(also=saved)
         saving.unpack_state(state_dict, self.param_groups, layout.owned, self._distributor,
                             layout.blockings)
+        delayed_refresh.restore(layout.owned, self.param_groups)  # refreshes saved pending
         self._consolidation.forget()
 
     # ------------------------------------------------------------------ copies
@@ -887,11 +894,22 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._layout, self._distributor, self._chosen = None, None, None
         self._consolidation = saving.Consolidation()
         self._workspace, self._schedules = Workspace(), {}
+        self._refresher = Refresher()
         self._health = health.StepHealth()
         self.state = StateView(self)
         self._distributor = self._pick_distributor(final=False)
         if saved is not None:
             self.load_state_dict(saved)
+
+    @property
+    def background_refresh(self) -> bool:
+        """Whether ``refresh_delay``'s refreshes run beside the steps (default) or are
+        computed at once when submitted (the same numbers: for debugging and tests)."""
+        return self._refresher.background
+
+    @background_refresh.setter
+    def background_refresh(self, value: bool) -> None:
+        self._refresher.background = bool(value)
 
     def owned_state_keys(self) -> list[tuple[int, str]]:
         """``(param_index, "block_{b}.{name}")`` of every state tensor this rank holds or

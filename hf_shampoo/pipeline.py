@@ -7,6 +7,7 @@
    (its refresh schedule: ``refresh_schedule``);
 2. ``check_refreshed_factors``: for blocks that refresh, factor matrices updated out of
    place and checked for non-finite values on every rank before anything changes;
+   ``apply_delayed_refreshes`` then writes the delayed refreshes due (``refresh_delay``);
 3. ``compute_directions``: every owned block's search direction ``-lr * P`` into the
    distributor's direction buffers (the per-stack math lives in ``stack.py`` and the
    preconditioner kinds);
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from .blocking import ParamBlocking
 from .config import is_preconditioning, is_refresh_step, start_step
+from .delayed_refresh import apply_due, delay_of
 from .distributors import OTHER_RANK, Distributor, greedy_assignment, refresh_work
 from .distributors.agreement import Plan
 from .linalg import finite_rows
@@ -154,6 +156,19 @@ def compute_directions(jobs: list[tuple[BlockStack, StackStep]], workspace: Work
             stack.state[name].index_copy_(0, index, tensor)
 
 
+def apply_delayed_refreshes(jobs: list[tuple[BlockStack, StackStep]], layout: Layout,
+                            groups: list[dict], steps: list[int], refresher) -> None:
+    """Stage 2b (``refresh_delay``): the owned stacks' refreshes due this step written into
+    their state (``delayed_refresh.apply_due``), before any direction reads it; the jobs
+    of the stacks that refresh with a delay learn where their refreshes go."""
+    changed = {id(s) for s in apply_due(layout.owned, groups, steps)}
+    for stack, job in jobs:
+        if id(stack) in changed and job.state is not stack.state:  # a copy of some rows
+            job.state = {k: v[job.members] for k, v in stack.state.items()}
+        if job.refresh_rows and delay_of(job.group):
+            job.refresher = refresher
+
+
 def assign_refresh_offsets(layout: Layout, groups: list[dict],
                            schedules: dict[int, tuple]) -> None:
     """Give every block its refresh schedule offset (docs/design.md §2 with ``refresh_schedule``);
@@ -221,7 +236,10 @@ def _plan(
     first = [r for r in refresh if step - offsets[r] == start_step(group)]
     grafting = []
     if group["grafting"] is not None:
-        grafting = [r for r, o in enumerate(offsets) if not is_preconditioning(group, step, o)]
+        # refresh_delay: a block grafts until its first roots arrive, d steps after its start
+        delay = delay_of(group)
+        grafting = [r for r, o in enumerate(offsets)
+                    if not is_preconditioning(group, step - delay, o)]
     return StackStep(group, step, active, state, grad, None, refresh, first, grafting,
                      offsets=offsets)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import averaging, compiled, stages
+from . import averaging, compiled, delayed_refresh, stages
 from .health import StackHealth
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
@@ -126,6 +126,8 @@ class StackStep:
     # iterate averaging's (1 - μ_x μ_y, 1 - μ_x, float32 lr) this step (averaging.py)
     averaging: tuple[float, float, float] | None = None
     refresh_seconds: float = 0.0  # host seconds of the kind's refresh calls (health.py)
+    # refresh_delay >= 1: where the refresh of ``refresh_rows`` goes (delayed_refresh.py)
+    refresher: object | None = None
 
     def own_step(self, row: int) -> int:
         """The step on a row's own schedule (the step minus its refresh offset)."""
@@ -165,6 +167,8 @@ class BlockStack:
     overrides: dict = field(default_factory=dict)
     # what the steps recorded for optimizer.metrics() (health.py; this rank's stacks)
     health: StackHealth = field(default_factory=StackHealth, repr=False)
+    # refresh_delay: refreshes submitted and not yet applied (delayed_refresh.Pending)
+    pending: list = field(default_factory=list, repr=False)
 
     def settings(self, groups: list[dict]) -> Mapping:
         """The hyperparameters of these blocks: their group's, live (a scheduler's lr
@@ -188,6 +192,8 @@ class BlockStack:
         """Name → (per-block shape, dtype) of every state tensor this group needs."""
         shapes = kind_of(group).state_shapes(self, group)
         shapes.update(stages.state_shapes(group, self.shape, self.work_dtype))
+        if delayed_refresh.delay_of(group):
+            shapes.update(delayed_refresh.state_shapes(self, group))
         return shapes
 
     def assignment_cost(self, group: Mapping, cost: str) -> float:
@@ -242,10 +248,12 @@ class BlockStack:
         fdtype = group["factor_matrix_dtype"]
         g = grad if grad.dtype == fdtype else grad.to(fdtype)
         kind.update_statistics(self, job, g, scratch)
-        start = time.perf_counter()
-        for rows, first in split_first(job.refresh_rows, job.first_rows):
-            kind.refresh(self, job, rows, first, workspace)
-        if job.refresh_rows:
+        if job.refresh_rows and job.refresher is not None:  # refresh_delay: from a snapshot
+            delayed_refresh.submit(self, job, job.refresher)
+        elif job.refresh_rows:
+            start = time.perf_counter()
+            for rows, first in split_first(job.refresh_rows, job.first_rows):
+                kind.refresh(self, job, rows, first, workspace)
             job.refresh_seconds = time.perf_counter() - start
         kind.after_refresh(self, job, g, scratch)
         # line 3: grafting state from the same (post-L2) gradient; line 4: filtered gradient

@@ -122,7 +122,25 @@ def draw_config(rng: random.Random, kind: str | None = None,
         config["weight_decay_type"] = rng.choice(types)
     if "iterate_averaging" in config:
         config["eval_after"] = tuple(sorted(rng.sample(range(2, 7), 2)))
+    draw_refresh_delay(config)
     return config
+
+
+def draw_refresh_delay(config: dict[str, Any]) -> None:
+    """Half the configs whose kind refreshes (without 4-bit state) get a ``refresh_delay``
+    from 1 to its largest valid value, drawn from a generator seeded by the config itself so
+    that the other draws of a seed stay as they were."""
+    from hf_shampoo.preconditioners import KINDS as REGISTERED
+
+    kind = REGISTERED[config.get("preconditioner", "shampoo")]
+    frequency = config.get("precondition_frequency")
+    if not kind.refreshes or frequency is None or config.get("quantization") == "4bit":
+        return
+    rng = random.Random(repr(sorted(config.items())))
+    if rng.random() < 0.5:
+        start = config.get("start_preconditioning_step") or frequency
+        gap = frequency - start % frequency if start % frequency else frequency
+        config["refresh_delay"] = rng.randint(1, gap)
 
 
 def optimizer_kwargs(config: dict[str, Any]) -> dict[str, Any]:

@@ -22,13 +22,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..delayed_refresh import store as store_pending
 from . import layout as checkpoint
 from .consolidate import gather_state
 
 
 def pack_state(param_groups: list[dict], owned: list, distributor, blockings: dict
                ) -> dict[str, Any]:
-    """The state dict of this rank's ``owned`` stacks, marked complete or not."""
+    """The state dict of this rank's ``owned`` stacks, marked complete or not (with the
+    refreshes pending under ``refresh_delay`` stored in their blocks' state first)."""
+    store_pending(owned)
     rank, world = distributor.global_rank_and_world()
     return checkpoint.pack(param_groups, owned, rank, world,
                            not distributor.is_sharded_state, distributor.state_key_prefix,

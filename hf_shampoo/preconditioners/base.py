@@ -75,7 +75,7 @@ class Preconditioner:
     # the keyword rows this class introduces (subclasses inherit them: ``own_keywords``)
     keywords: tuple[Keyword, ...] = ()
     # common keywords that change nothing for this kind
-    ignores: frozenset[str] = frozenset({"epsilon", "precondition_frequency",
+    ignores: frozenset[str] = frozenset({"epsilon", "precondition_frequency", "refresh_delay",
                                          "refresh_schedule", "start_preconditioning_step"})
 
     @property
@@ -139,6 +139,18 @@ class Preconditioner:
                  "pseudo-inverse drops the directions at or below the rank cutoff instead "
                  "of adding epsilon)")
         quantized = group["quantization"] == "4bit"
+        delay = group.get("refresh_delay", 0)
+        if delay and self.refreshes:
+            s = self.start_step(group)
+            gap = f - s % f if s % f else f
+            if delay > gap:
+                fail("refresh_delay", delay, f"expected an integer in [0, {gap}]: at most the "
+                     f"steps between two refreshes (precondition_frequency={f}, first "
+                     f"refresh at step {s}), so that a block has one refresh pending at a time")
+            if quantized:
+                fail("refresh_delay", delay, "expected 0 with quantization='4bit': a 4-bit "
+                     "refresh rebuilds the factor statistics themselves (sampled into their "
+                     "eigendecomposition), which a later step would overwrite")
         for key, what in (("statistics_frequency", "how often 4-bit factors or sketches "
                                                    "are sampled"),
                           ("statistics_warmup", "how many first steps sample every gradient "
@@ -232,6 +244,23 @@ class Preconditioner:
 
     def after_refresh(self, stack, job, g: Tensor, scratch: Scratch) -> None:
         """Statistics that live in the (possibly refreshed) basis."""
+
+    # ------------------------------------------------ refresh_delay (delayed_refresh.py)
+    def delayed_extras(self, stack, group: dict) -> dict[str, tuple[tuple[int, ...],
+                                                                    torch.dtype]]:
+        """What a delayed refresh hands over besides the state it writes (name → per-block
+        shape, dtype); nothing by default."""
+        return {}
+
+    def initial_delayed(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, n: int,
+                        device: torch.device) -> Tensor:
+        """The value of an extra of ``delayed_extras`` before the refresh fills it."""
+        raise NotImplementedError(name)
+
+    def apply_delayed(self, state: dict, index: Tensor, result: dict[str, Tensor]) -> None:
+        """Write a delayed refresh's ``result`` into the state rows ``index``."""
+        for name, value in result.items():
+            state[name].index_copy_(0, index, value.to(state[name].dtype))
 
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
         """Line 5 before grafting: ``P`` of the filtered gradient, into ``out`` if it can."""

@@ -90,7 +90,10 @@ class EigenvalueCorrected(KroneckerFactored):
         for plan in plans:
             new = common.decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
                                    descending=not meta)
-            if new.order is not None:
+            if new.order is not None and f"order_{plan.dim}" in job.state:  # delayed
+                job.state[f"order_{plan.dim}"].index_copy_(0, picked.index(new.done),
+                                                         new.order)
+            elif new.order is not None:
                 self._permute(job.state, plan.dim, picked.index(new.done), new.order)
             picked.put(job.state[f"eigenvectors_{plan.dim}"], new.done, new.basis)
             stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
@@ -117,6 +120,23 @@ class EigenvalueCorrected(KroneckerFactored):
                                            stale[0])
         stack.count_failures(f"factor_matrix_{j}", ok, members, job.step, eigenvalues=values,
                              group=group)
+
+    def delayed_extras(self, stack, group: dict) -> dict:
+        """The column order of each refreshed basis (the descending variant's QR sorts
+        them), by which ``D`` is reordered when the basis is applied."""
+        if group["eigenbasis_variant"] == "meta" or group["eigendecomposition"] != "qr":
+            return {}
+        return {f"order_{j}": ((stack.shape[j],), torch.int64)
+                for j in self.factor_dims(stack, group)}
+
+    def initial_delayed(self, name, shape, dtype, n, device) -> Tensor:
+        return torch.arange(shape[0], device=device).repeat(n, 1)  # no column moved
+
+    def apply_delayed(self, state: dict, index: Tensor, result: dict) -> None:
+        result = dict(result)
+        for name in [k for k in result if k.startswith("order_")]:
+            self._permute(state, int(name[len("order_"):]), index, result.pop(name))
+        super().apply_delayed(state, index, result)
 
     @staticmethod
     def _permute(state: dict, dim: int, blocks: Tensor, order: Tensor) -> None:

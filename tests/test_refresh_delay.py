@@ -1,0 +1,199 @@
+"""``refresh_delay``: a refresh computed from a snapshot of its step and used ``d`` steps
+later, off the critical path (hf_shampoo/delayed_refresh.py, docs/performance.md).
+
+What a user relies on: the background run equals the same delayed result computed at once,
+bit for bit, for every kind that refreshes and both schedules; the roots used from step
+``t + d`` are those of step ``t``'s factors (a dense float64 formula) and the steps between
+keep the previous ones; a save with a refresh pending resumes exactly (``state_dict``,
+``deepcopy``); a block grafts until its first roots arrive; a decomposition that fails in
+the background is reported on the step that applies it; bad values are refused; no worker
+thread outlives its optimizer. Device-generic (``HF_SHAMPOO_TEST_DEVICE=cuda``: the side
+stream). Distributed layouts draw ``refresh_delay`` in tests/test_generated_*layouts.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import warnings
+
+import pytest
+import torch
+
+from hf_shampoo import DistributedShampoo
+from hf_shampoo.stack import ShampooNumericalError
+from tests.helpers import generator
+
+pytestmark = [pytest.mark.unit, pytest.mark.device]
+
+SHAPES = [(6, 5), (6, 5), (7,), (4, 3, 2), (9, 4)]
+
+KINDS = {
+    "shampoo": dict(grafting="adam", epsilon=1e-8),
+    "shampoo_qr_tolerance": dict(grafting="adam", epsilon=1e-8, eigendecomposition="qr",
+                                 eigenbasis_tolerance=0.05, qr_max_iterations=3),
+    "shampoo_coupled_newton": dict(grafting="adam", epsilon=1e-6,
+                                   root_inverse="coupled_newton"),
+    "soap": dict(preconditioner="eigenvalue_corrected", epsilon=1e-8),
+    "soap_descending_qr": dict(preconditioner="eigenvalue_corrected", epsilon=1e-8,
+                               eigenbasis_variant="descending", eigendecomposition="qr"),
+    "kl_shampoo": dict(preconditioner="kl_shampoo", grafting="adam", epsilon=1e-8),
+    "eigendecomposed": dict(preconditioner="eigendecomposed_shampoo", grafting="adam",
+                            epsilon=1e-8),
+    "sketchy": dict(preconditioner="sketchy", grafting="adam", epsilon=1e-7,
+                    sketch_rank=2, sketch_threshold=5),
+}
+
+
+def params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = generator(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def make(ps, delay: int, background: bool = True, **kw) -> DistributedShampoo:
+    settings = dict(lr=0.02, precondition_frequency=4, distributed="none",
+                    max_preconditioner_dim=8) | kw
+    opt = DistributedShampoo(ps, refresh_delay=delay, **settings)
+    opt.background_refresh = background
+    return opt
+
+
+def gradients(steps: int, seed: int = 1) -> list[list[torch.Tensor]]:
+    g = generator(seed)
+    return [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(steps)]
+
+
+def train(delay: int, kw: dict, steps: int = 13, background: bool = True,
+          resume_at: int | None = None, via: str = "state_dict") -> list[torch.Tensor]:
+    ps = params()
+    opt = make(ps, delay, background, **kw)
+    for t, grads in enumerate(gradients(steps), start=1):
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        opt.step()
+        if t == resume_at:
+            if via == "deepcopy":
+                copied = copy.deepcopy((ps, opt))
+                ps, opt = copied
+            else:
+                saved = copy.deepcopy(opt.state_dict())
+                ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+                opt = make(ps, delay, background, **kw)
+                opt.load_state_dict(saved)
+    return [p.detach().clone() for p in ps]
+
+
+def assert_identical(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+@pytest.mark.parametrize("schedule", ["all", "staggered"])
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_background_equals_the_delayed_result_computed_at_once(name, schedule):
+    kw = KINDS[name] | {"refresh_schedule": schedule}
+    for delay in (1, 4):
+        background = train(delay, kw)
+        assert_identical(background, train(delay, kw, background=False))
+    # and a delay changes the trajectory (the test would see a delay that did nothing)
+    assert not all(torch.equal(x, y) for x, y in zip(background, train(0, kw)))
+
+
+@pytest.mark.parametrize("via", ["state_dict", "deepcopy"])
+@pytest.mark.parametrize("name", ["shampoo", "soap_descending_qr", "sketchy"])
+def test_a_save_with_a_refresh_pending_resumes_exactly(name, via):
+    kw = KINDS[name] | {"refresh_schedule": "staggered"}
+    reference = train(3, kw)
+    for at in (4, 5, 6, 9):  # pending refreshes of the first and of later rounds
+        assert_identical(reference, train(3, kw, resume_at=at, via=via))
+
+
+def test_roots_are_the_factors_of_the_refresh_step_and_apply_d_steps_later():
+    """Shampoo, "all" schedule, f = 4, d = 2: after step t + d the root of each block is
+    ``(F_t / (1 - β2^t) + εI)^(-1/2k)`` in float64 (F_t: its factor after step t); after the
+    steps in between it is still the previous one."""
+    ps = params()
+    beta2, epsilon, delay = 0.99, 1e-6, 2
+    opt = make(ps, delay, betas=(0.9, beta2), epsilon=epsilon, grafting="adam")
+    factors, roots = {}, {}
+    for t, grads in enumerate(gradients(13), start=1):
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        opt.step()
+        state = opt.state[ps[0]]
+        factors[t] = state["block_0.factor_matrix_0"].double().clone()
+        roots[t] = state["block_0.inverse_root_0"].double().clone()
+    for t in (4, 8):  # refresh steps; the first one at the start step
+        f = factors[t] / (1 - beta2**t) + epsilon * torch.eye(6, dtype=torch.float64)
+        lam, q = torch.linalg.eigh(f)
+        expected = q @ torch.diag(lam ** (-1 / 4)) @ q.T
+        torch.testing.assert_close(roots[t + delay], expected, rtol=2e-4, atol=2e-5)
+        for between in range(t, t + delay):
+            assert torch.equal(roots[between], roots[t - 1])
+
+
+def test_a_block_grafts_until_its_first_roots_arrive():
+    """Before its first roots apply (start step + d), a block's step is the grafting
+    method's: the same bits as a run that has not started preconditioning."""
+    kw = dict(grafting="adam", epsilon=1e-8)
+    delayed = train(3, kw, steps=6)  # start 4: roots from step 7 on
+    grafting_only = train(0, kw | {"start_preconditioning_step": 100}, steps=6)
+    assert_identical(delayed, grafting_only)
+    assert not all(torch.equal(x, y) for x, y in zip(train(3, kw, steps=7),
+                                                      train(0, kw | {"start_preconditioning_step": 100}, steps=7)))
+
+
+def test_a_failure_in_the_background_is_reported_on_the_step_that_applies_it(monkeypatch):
+    from hf_shampoo import linalg
+
+    real = linalg.batched_eigh_many
+
+    def failing(inputs, memory=None):
+        out = real(inputs, memory)
+        for e in out:
+            e.ok = [False] * len(e.ok)
+        return out
+
+    monkeypatch.setattr(linalg, "batched_eigh_many", failing)
+    ps = params()
+    opt = make(ps, 2, grafting="adam", epsilon=1e-8)
+    warned_at = []
+    for t, grads in enumerate(gradients(13), start=1):
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt.step()
+            except ShampooNumericalError as error:
+                assert "failed at step" in str(error)
+                warned_at.append(("raised", t))
+                break
+        if any("keeping the previous preconditioner" in str(w.message) for w in caught):
+            warned_at.append(("warned", t))
+    # refreshes at 4, 8, 12 apply at 6, 10, 14; the fourth failure in a row raises
+    assert warned_at[:2] == [("warned", 6), ("warned", 10)]
+
+
+def test_bad_values_are_refused_before_anything_changes():
+    ps = params()
+    with pytest.raises(ValueError, match=r"refresh_delay.*\[0, 4\]"):
+        make(ps, 5)
+    with pytest.raises(ValueError, match=r"refresh_delay.*\[0, 1\]"):
+        make(ps, 2, start_preconditioning_step=7)  # refreshes at 7, then 8
+    with pytest.raises(ValueError, match=r"refresh_delay.*4bit"):
+        make(ps, 1, quantization="4bit")
+    with pytest.raises(ValueError, match="refresh_delay"):
+        make(ps, -1)
+
+
+def test_no_worker_thread_outlives_its_optimizer():
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("hf_shampoo_refresh")]
+
+    gc.collect()  # the optimizers of earlier tests (in reference cycles) and their threads
+    before = len(workers())
+    train(2, KINDS["shampoo"], steps=6)
+    gc.collect()
+    assert len(workers()) == before
