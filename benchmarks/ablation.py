@@ -179,6 +179,11 @@ ABLATIONS = {
     # ε as SOAP's: the correction divides by √D + ε, where Shampoo's 1e-12 is too small
     "eigenvalue correction on (ε 1e-8)": dict(preconditioner="eigenvalue_corrected", epsilon=1e-8),
     "staggered refresh": dict(refresh_schedule="staggered"),
+    # refresh_delay (f = 10): 0 reruns the base beside the delays, 2 is f/4 rounded down
+    "refresh_delay 0": dict(refresh_delay=0),
+    "refresh_delay 1": dict(refresh_delay=1),
+    "refresh_delay 2": dict(refresh_delay=2),
+    "refresh_delay 10": dict(refresh_delay=10),
     # rank-deficient factors by the pseudo-inverse at the rounding floor (timm's default)
     "pseudo-inverse roots (rank_rtol None)": dict(rank_deficient="pseudo_inverse", epsilon=0.0,
                                                   rank_rtol=None),

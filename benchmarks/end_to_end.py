@@ -63,6 +63,16 @@ FULL = dict(batch_size=256, image_size=224, seq_len=1024, gpt2_batch_size=8, fre
 TINY = dict(batch_size=4, image_size=32, seq_len=32, gpt2_batch_size=2, frequency=4)
 
 
+def variant_keywords(args) -> dict[str, tuple[dict, str]]:
+    """The Shampoo rows beyond the two schedules, ``--variants`` and ``--refresh-delay``:
+    name → (keywords, the same as optim_args)."""
+    out = {variant: VARIANTS[variant] for variant in args.variants}
+    if args.refresh_delay:
+        d = args.refresh_delay
+        out[f"refresh_delay={d}"] = (dict(refresh_delay=d), f"refresh_delay={d}")
+    return out
+
+
 def fused_adamw_supported(device: torch.device) -> bool:
     p = torch.zeros(2, device=device, requires_grad=True)
     p.grad = torch.ones_like(p)
@@ -174,8 +184,7 @@ def resnet_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
         f"Shampoo all, F={args.frequency}":
             lambda p: DistributedShampoo(p, refresh_schedule="all", **shampoo),
     }
-    for variant in args.variants:
-        keywords = VARIANTS[variant][0]
+    for variant, (keywords, _) in variant_keywords(args).items():
         optimizers[f"Shampoo staggered, F={args.frequency}, {variant}"] = (
             lambda p, kw=keywords: DistributedShampoo(p, refresh_schedule="staggered",
                                                       **shampoo, **kw))
@@ -261,7 +270,7 @@ def gpt2_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
     runs = [(f"AdamW ({adamw})", adamw, None),
             (f"Shampoo staggered, F={args.frequency}", "distributed_shampoo", optim_args)]
     runs += [(f"Shampoo staggered, F={args.frequency}, {variant}", "distributed_shampoo",
-              f"{optim_args},{VARIANTS[variant][1]}") for variant in args.variants]
+              f"{optim_args},{text}") for variant, (_, text) in variant_keywords(args).items()]
     if args.muon:
         runs.append(("Muon (distributed_muon)", "distributed_muon", None))
     for name, optim, extra in runs:
@@ -392,6 +401,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[],
                         help="also staggered Shampoo with these GPU-oriented options")
+    parser.add_argument("--refresh-delay", type=int, default=0,
+                        help="also Shampoo staggered with this refresh_delay (<= frequency)")
     parser.add_argument("--muon", action="store_true",
                         help="GPT-2: also optim=distributed_muon (goal: <= 1.05x AdamW)")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models and steps")

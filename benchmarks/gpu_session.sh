@@ -18,7 +18,7 @@
 #   bash benchmarks/gpu_session.sh followup   # after `lent`, in what is left (~5 min): the
 #                                             # device tests again, batch invariance, roots
 #
-# `lent` runs check, the `device` tests (SIGINT after 150 s, so pytest prints its summary),
+# `lent` runs check, the `device` tests (SIGINT after 140 s, so pytest prints its summary),
 # Muon, the step against Meta, the root solvers and GPT-2 through the Trainer, each cut at
 # its own limit (540 s in all; docs/gpu.md). `step` and `e2e` fit a 10-minute call each.
 #
@@ -73,35 +73,38 @@ tests() {
 }
 
 lent() {
-    local scale=() e2e_size=(--frequency 100 --warmup 100) muon_size=(--layers 12 --width 768)
+    local scale=() e2e_size=(--frequency 100 --warmup 100 --refresh-delay 50)
+    local muon_size=(--layers 12 --width 768)
     local models=(resnet50 gpt2)
     if [ "$SMOKE" = 1 ]; then
-        scale=(--steady 2 --threads 1) e2e_size=(--tiny) muon_size=(--layers 1 --width 64)
+        scale=(--steady 2 --threads 1) e2e_size=(--tiny --refresh-delay 2)
+        muon_size=(--layers 1 --width 64)
         models=(gpt2-tiny)
     fi
     check 45
     # the simulated ranks first: one process and each rank's stacks on the GPU, bit for bit
-    local modules="tests/test_simulated_ranks.py tests"
+    local modules="tests/test_simulated_ranks.py tests/test_refresh_delay.py tests"
     [ "$SMOKE" = 1 ] && modules="tests/test_host_sync.py tests/test_kronecker.py"
-    echo "== tests (SIGINT after 150 s: pytest prints its summary)" | tee -a "$OUT/tests.log"
-    HF_SHAMPOO_TEST_DEVICE=$DEVICE timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider \
+    echo "== tests (SIGINT after 140 s: pytest prints its summary)" | tee -a "$OUT/tests.log"
+    HF_SHAMPOO_TEST_DEVICE=$DEVICE timeout -s INT 140 $PY -m pytest -q -p no:cacheprovider \
         -m device --junitxml="$OUT/tests.xml" $modules 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
-    part muon 40 $PY -m benchmarks.muon_step_time --device "$DEVICE" --worlds 1 --rounds 5 \
+    part muon 35 $PY -m benchmarks.muon_step_time --device "$DEVICE" --worlds 1 --rounds 5 \
         "${muon_size[@]}"
     local model
     for model in "${models[@]}"; do
-        part "step_$model" 70 $PY -m benchmarks.step_time --device "$DEVICE" --model "$model" \
+        part "step_$model" 65 $PY -m benchmarks.step_time --device "$DEVICE" --model "$model" \
             "${meta_args[@]}" --rounds 1 --steady 5 --low-precision-roots "${scale[@]}"
     done
     local roots=(--model resnet50 --rounds 1)
     [ "$SMOKE" = 1 ] && roots=(--model gpt2-tiny --rounds 1 --threads 1)
-    part step_roots 45 $PY -m benchmarks.root_solvers --device "$DEVICE" "${roots[@]}"
-    part e2e_gpt2 120 $PY -m benchmarks.end_to_end --device "$DEVICE" --workload gpt2 --muon \
+    part step_roots 40 $PY -m benchmarks.root_solvers --device "$DEVICE" "${roots[@]}"
+    part e2e_gpt2 150 $PY -m benchmarks.end_to_end --device "$DEVICE" --workload gpt2 --muon \
         "${e2e_size[@]}" --json "$OUT/e2e_gpt2.json" --write "$OUT/e2e_gpt2.md"
 }
 
 followup() {  # the second call of a lent GPU: tests after fixes, what `lent` cut short
-    local modules="tests/test_simulated_ranks.py tests" roots=(--model resnet50 --rounds 1)
+    local modules="tests/test_simulated_ranks.py tests/test_refresh_delay.py tests"
+    local roots=(--model resnet50 --rounds 1)
     if [ "$SMOKE" = 1 ]; then
         modules="tests/test_host_sync.py tests/test_kronecker.py"
         roots=(--model gpt2-tiny --rounds 1 --threads 1)

@@ -23,7 +23,7 @@ import torch
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.stack import ShampooNumericalError
-from tests.helpers import generator
+from tests.helpers import TEST_DEVICE, generator
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
 
@@ -65,7 +65,8 @@ def gradients(steps: int, seed: int = 1) -> list[list[torch.Tensor]]:
 
 
 def train(delay: int, kw: dict, steps: int = 13, background: bool = True,
-          resume_at: int | None = None, via: str = "state_dict") -> list[torch.Tensor]:
+          resume_at: int | None = None, via: str = "state_dict",
+          directory=None) -> list[torch.Tensor]:
     ps = params()
     opt = make(ps, delay, background, **kw)
     for t, grads in enumerate(gradients(steps), start=1):
@@ -76,6 +77,16 @@ def train(delay: int, kw: dict, steps: int = 13, background: bool = True,
             if via == "deepcopy":
                 copied = copy.deepcopy((ps, opt))
                 ps, opt = copied
+            elif via == "dcp":  # torch.distributed.checkpoint, one process
+                from hf_shampoo.checkpoint import load_sharded, save_sharded
+
+                where = directory / f"at{t}"
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "assuming ... a single process"
+                    save_sharded(opt, where)
+                    ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+                    opt = make(ps, delay, background, **kw)
+                    load_sharded(opt, where)
             else:
                 saved = copy.deepcopy(opt.state_dict())
                 ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
@@ -100,13 +111,15 @@ def test_background_equals_the_delayed_result_computed_at_once(name, schedule):
     assert not all(torch.equal(x, y) for x, y in zip(background, train(0, kw)))
 
 
-@pytest.mark.parametrize("via", ["state_dict", "deepcopy"])
+@pytest.mark.parametrize("via", ["state_dict", "deepcopy", "dcp"])
 @pytest.mark.parametrize("name", ["shampoo", "soap_descending_qr", "sketchy"])
-def test_a_save_with_a_refresh_pending_resumes_exactly(name, via):
+def test_a_save_with_a_refresh_pending_resumes_exactly(name, via, tmp_path):
+    if via == "dcp" and TEST_DEVICE.type != "cpu":
+        pytest.skip("torch.distributed.checkpoint without a process group: on the CPU")
     kw = KINDS[name] | {"refresh_schedule": "staggered"}
     reference = train(3, kw)
     for at in (4, 5, 6, 9):  # pending refreshes of the first and of later rounds
-        assert_identical(reference, train(3, kw, resume_at=at, via=via))
+        assert_identical(reference, train(3, kw, resume_at=at, via=via, directory=tmp_path))
 
 
 def test_roots_are_the_factors_of_the_refresh_step_and_apply_d_steps_later():
