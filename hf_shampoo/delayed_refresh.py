@@ -18,6 +18,11 @@ read back by ``restore`` after a load, so that a save with a refresh pending res
 exactly. A decomposition that failed in the background is counted, warned about or
 raised (``ShampooNumericalError``) on the step that applies it, as a synchronous one is
 on the step that computes it.
+
+The worker never changes torch's thread count (``torch.set_num_threads`` from one thread
+sets it for the whole process, the training thread included): its LAPACK calls run with
+the count the process has (``linalg.thread_count_untouched``), one per stack of matrices,
+so a result depends on that count as any operator's may, never on timing.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .linalg import thread_count_untouched
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
 
@@ -187,8 +193,9 @@ def submit(stack, job, refresher: Refresher) -> None:
         from .stack import Workspace  # the worker's own scratch (the step's is not shared)
 
         workspace = Workspace()
-        for group_rows, first in split_first(shadow.refresh_rows, shadow.first_rows):
-            kind.refresh(recorder, shadow, group_rows, first, workspace)
+        with thread_count_untouched():  # the training thread's count stays as it is
+            for group_rows, first in split_first(shadow.refresh_rows, shadow.first_rows):
+                kind.refresh(recorder, shadow, group_rows, first, workspace)
         return {name: snapshot[name] for name in names}, calls
 
     start = time.perf_counter()

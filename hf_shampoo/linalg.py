@@ -9,8 +9,10 @@ the QR refreshes) is ``eigenbasis.py``, the coupled root iterations ``root_solve
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,22 @@ from torch import Tensor
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0  # a forked child has none of the parent's pool threads: make its own
+
+
+_thread = threading.local()
+
+
+@contextmanager
+def thread_count_untouched():
+    """Within it, in the calling thread, ``per_matrix_threads`` computes the matrices in
+    that thread with torch's thread count as it is. For a thread that runs beside training
+    (``refresh_delay``'s worker): ``torch.set_num_threads`` from any thread sets the count
+    of the whole process, the training thread's operators included."""
+    _thread.untouched = True
+    try:
+        yield
+    finally:
+        _thread.untouched = False
 
 
 def per_matrix_threads(fn: Callable, jobs: list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]):
@@ -38,7 +56,8 @@ def per_matrix_threads(fn: Callable, jobs: list[tuple[tuple[Tensor, ...], tuple[
     threads = torch.get_num_threads()
     if not jobs:
         return
-    if threads == 1 or jobs[0][0][0].device.type != "cpu":
+    if threads == 1 or jobs[0][0][0].device.type != "cpu" or getattr(
+            _thread, "untouched", False):
         for inputs, outputs in jobs:
             fn(*inputs, *outputs)
         return

@@ -210,3 +210,25 @@ def test_no_worker_thread_outlives_its_optimizer():
     train(2, KINDS["shampoo"], steps=6)
     gc.collect()
     assert len(workers()) == before
+
+
+def test_the_worker_leaves_the_thread_count_alone(monkeypatch):
+    """torch.set_num_threads from any thread sets the count of the whole process: the
+    worker must not call it (the training thread's operators would change their count, and
+    perhaps their bits, with the timing of the refreshes)."""
+    calls = []
+    real = torch.set_num_threads
+
+    def recording(n):
+        calls.append(threading.current_thread().name)
+        real(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", recording)
+    before = torch.get_num_threads()
+    try:
+        real(2)
+        train(2, KINDS["shampoo_qr_tolerance"], steps=9)
+        train(2, KINDS["soap"], steps=9)
+    finally:
+        real(before)
+    assert not [name for name in calls if name.startswith("hf_shampoo_refresh")]
