@@ -132,7 +132,7 @@ class ShampooKeywords(TypedDict, total=False):
     root_abs_epsilon: float | None
     spectral_orthogonalization: str
     newton_schulz_iterations: int
-    newton_schulz_coefficients: tuple[float, float, float]
+    newton_schulz_coefficients: tuple[float, float, float] | tuple[tuple[float, float, float], ...] | str
     newton_schulz_dtype: torch.dtype | None
     spectral_lr_adjustment: str | None
     sign_scale: str | None
@@ -212,7 +212,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         root_abs_epsilon: float | None = None,
         spectral_orthogonalization: str = "newton_schulz",
         newton_schulz_iterations: int = 5,
-        newton_schulz_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        newton_schulz_coefficients: tuple[float, float, float] | tuple[tuple[float, float, float], ...] | str = (3.4445, -4.775, 2.0315),
         newton_schulz_dtype: torch.dtype | None = None,
         spectral_lr_adjustment: str | None = None,
         sign_scale: str | None = None,
@@ -583,7 +583,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         kinds (``keyword_acts``: its own and ``vector_preconditioner``'s), but the runtime
         ones (``compile``: how this process runs the step), floats exactly; and
         ``peak_lr`` where weight decay divides by it."""
-        pairs = [(key, agreement.setting(group[key], row.type in (float, tuple, dict)))
+        pairs = [(key, agreement.setting(group[key], row.type in (float, tuple, dict)
+                                         or tuple in getattr(row.type, "__args__", ())))
                  for key, row in TABLE.items()
                  if key not in RUNTIME_KEYS and keyword_acts(key, group)]
         if group["weight_decay"] != 0 and group["weight_decay_type"] in (

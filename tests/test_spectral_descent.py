@@ -262,3 +262,81 @@ def test_state_is_momentum_only_and_resumes_exactly():
         opt2.step()
     for a, b in zip(params, resumed):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------- Polar Express
+#: arXiv 2505.16932's five quintics as its GPT-2 experiments (modded-nanogpt) publish them
+POLAR_EXPRESS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def reference_polar_express(g: torch.Tensor, steps: int = 5):
+    """From ``G / (1.02 ‖G‖_F)``, iteration ``i`` with the ``i``-th quintic (the last
+    repeated)."""
+    x = g / (1.02 * float(torch.linalg.matrix_norm(g)))
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    for i in range(steps):
+        a, b, c = POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)]
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("steps", [3, 5, 7])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16)])
+def test_polar_express_equals_its_float64_formula(shape, steps):
+    initial, grads, after = one_step([shape], preconditioner="spectral_descent",
+                                     newton_schulz_coefficients="polar_express",
+                                     newton_schulz_iterations=steps, max_preconditioner_dim=64)
+    expected = initial[0] - 0.5 * reference_polar_express(grads[0], steps)
+    torch.testing.assert_close(after[0], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_schedule_of_triples_runs_one_per_iteration_and_repeats_the_last():
+    schedule = [MUON, (2.0, -1.5, 0.5)]
+    initial, grads, after = one_step([(12, 20)], preconditioner="spectral_descent",
+                                     newton_schulz_coefficients=schedule,
+                                     newton_schulz_iterations=4, max_preconditioner_dim=64)
+    x = grads[0] / float(torch.linalg.matrix_norm(grads[0]))
+    for a, b, c in [MUON, (2.0, -1.5, 0.5), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5)]:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    torch.testing.assert_close(after[0], initial[0] - 0.5 * x, rtol=1e-10, atol=1e-12)
+
+
+def test_polar_express_is_closer_to_the_polar_factor_than_muons_coefficients():
+    """What it is for: after 5 iterations every singular value nearer 1 (random Gaussian
+    matrices, float32), so the direction is nearer ``U Vᵀ``."""
+    from hf_shampoo.orthogonalization import newton_schulz
+
+    x = torch.randn(3, 96, 320, generator=torch.Generator().manual_seed(3))
+    exact = reference_svd(x.double()[0])
+    errors = {}
+    for name in ("muon", "polar_express"):
+        y = newton_schulz(x, 5, name, torch.float32).double()
+        values = torch.linalg.svdvals(y)
+        errors[name] = float((y[0] - exact).norm() / exact.norm())
+        if name == "polar_express":
+            assert 0.8 < float(values.min()) and float(values.max()) < 1.2
+    assert errors["polar_express"] < 0.6 * errors["muon"], errors
+
+
+@pytest.mark.parametrize("bad", ["polar", (1.0, 2.0), [(1.0, 2.0, 3.0), (1.0,)], ()])
+def test_bad_coefficients_are_refused_with_the_choices(bad):
+    with pytest.raises(ValueError, match="newton_schulz_coefficients.*polar_express"):
+        DistributedShampoo([torch.nn.Parameter(torch.zeros(4, 4))],
+                           preconditioner="spectral_descent", newton_schulz_coefficients=bad)
+
+
+def test_the_trainer_spelling_names_polar_express():
+    from hf_shampoo.integrations.transformers.arguments import cast_value
+
+    assert cast_value("newton_schulz_coefficients", "polar_express") == "polar_express"
+    assert cast_value("newton_schulz_coefficients", "(3.4445;-4.775;2.0315)") == MUON

@@ -18,15 +18,25 @@ import torch
 from torch import Tensor
 
 from ..keywords import Keyword, choice, fail, integer, is_real
-from ..orthogonalization import lr_adjustment, newton_schulz, svd_orthogonalize
+from ..orthogonalization import MUON, NAMED, lr_adjustment, newton_schulz, svd_orthogonalize
 from .base import Preconditioner
 
 
+def _is_triple(value: Any) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) == 3
+            and all(is_real(c) for c in value))
+
+
 def _check_coefficients(key: str, value: Any) -> None:
-    if not (isinstance(value, (tuple, list)) and len(value) == 3
-            and all(is_real(c) for c in value)):
-        fail(key, value, "expected three finite real numbers (a, b, c) of the quintic "
-             "iteration X <- aX + b(XX^T)X + c(XX^T)^2 X")
+    if isinstance(value, str) and value in NAMED:
+        return
+    if _is_triple(value):
+        return
+    if isinstance(value, (tuple, list)) and value and all(_is_triple(c) for c in value):
+        return
+    fail(key, value, f"expected three finite real numbers (a, b, c) of the quintic iteration "
+         f"X <- aX + b(XX^T)X + c(XX^T)^2 X, a sequence of such triples (one per iteration, "
+         f"the last repeated), or one of {', '.join(map(repr, NAMED))}")
 
 
 # torch.optim.Muon's adjust_lr_fn rules on a block of (rows, cols); None: scale 1 (Meta)
@@ -36,9 +46,14 @@ SPECTRAL_KEYWORDS = (
             "spectral descent: `\"newton_schulz\"` or `\"svd\"` (exact `U Vᵀ`)")),
     Keyword("newton_schulz_iterations", 5, int, integer(1), doc=(
             "spectral descent: Newton–Schulz iterations")),
-    Keyword("newton_schulz_coefficients", (3.4445, -4.7750, 2.0315), tuple, _check_coefficients,
-            annotation="tuple[float, float, float]", doc=(
-            "spectral descent: `(a, b, c)` of `X ← aX + b(XXᵀ)X + c(XXᵀ)²X` (Muon's)")),
+    Keyword("newton_schulz_coefficients", MUON, tuple | str, _check_coefficients,
+            annotation="tuple[float, float, float] | tuple[tuple[float, float, float], ...] "
+                       "| str", doc=(
+            "spectral descent: `(a, b, c)` of `X ← aX + b(XXᵀ)X + c(XXᵀ)²X` for every "
+            "iteration (default Muon's), one triple per iteration (the last repeated), "
+            "`\"muon\"` or `\"polar_express\"` (arXiv 2505.16932: a minimax-optimal "
+            "polynomial per iteration, from `X / (1.02 ‖X‖_F)`; its accuracy: "
+            "[Muon](muon.md#polar-express))")),
     Keyword("newton_schulz_dtype", None, torch.dtype,
             choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16),
             doc=(
@@ -78,8 +93,7 @@ class SpectralDescent(Preconditioner):
             orthogonal = svd_orthogonalize(filtered.to(group["factor_matrix_dtype"]))
         else:
             orthogonal = newton_schulz(
-                filtered, group["newton_schulz_iterations"],
-                tuple(group["newton_schulz_coefficients"]),
+                filtered, group["newton_schulz_iterations"], group["newton_schulz_coefficients"],
                 group["newton_schulz_dtype"] or group["factor_matrix_dtype"])
         rows, cols = stack.shape
         scale = lr_adjustment(group["spectral_lr_adjustment"], rows, cols)

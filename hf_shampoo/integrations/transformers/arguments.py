@@ -131,6 +131,8 @@ def cast_value(key: str, text: Any) -> Any:
     if raw.lower() in ("none", "null") and row.optional:
         return None
     if isinstance(kind, types.UnionType):  # compile: true / false or a dict
+        if str in kind.__args__ and raw[:1].isalpha():  # a name (newton_schulz_coefficients)
+            return raw
         kind = dict if raw.startswith("{") else next(t for t in kind.__args__ if t is not dict)
     if kind is bool:
         lowered = raw.lower()
