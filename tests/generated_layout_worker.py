@@ -46,13 +46,32 @@ def placement(spec: tuple):
     return _StridedShard(spec[1], split_factor=spec[2])
 
 
-def build_mesh(desc: dict):
+#: meshes built so far, by (shape, names, flatten, variant): every gloo group a mesh makes
+#: keeps two threads alive to the end of the process, so hundreds of cases with a mesh each
+#: left ranks with 2,000 threads, a fifth of them runnable, and the long search crawling.
+#: Each kind of mesh is built twice (alternate cases take the second) and then reused, so
+#: that two alike roots still live in one process (a case of docs/parallelism.md); every
+#: rank makes the same calls in the same order, so the ranks agree on which mesh is reused.
+_MESHES: dict[tuple, object] = {}
+_MESH_CALLS: dict[tuple, int] = {}
+
+
+def cached_mesh(shape, names, flatten=None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", desc["shape"], mesh_dim_names=desc["names"])
-    if desc["flatten"] is not None:
-        mesh[tuple(desc["flatten"])]._flatten("_".join(desc["flatten"]))
-    return mesh
+    kind = (tuple(shape), tuple(names), None if flatten is None else tuple(flatten))
+    calls = _MESH_CALLS[kind] = _MESH_CALLS.get(kind, -1) + 1
+    key = (*kind, calls % 2)
+    if key not in _MESHES:
+        mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+        if flatten is not None:
+            mesh[tuple(flatten)]._flatten("_".join(flatten))
+        _MESHES[key] = mesh
+    return _MESHES[key]
+
+
+def build_mesh(desc: dict):
+    return cached_mesh(desc["shape"], desc["names"], desc["flatten"])
 
 
 def sub_mesh(mesh, dims: tuple[str, ...]):
@@ -261,7 +280,6 @@ def placed_model(desc: dict, split: dict, values: list[torch.Tensor]) -> nn.Sequ
     on ``tp``, the experts' weight expert parallel on the same ranks, then ``fully_shard``
     (per block first with ``shard_blocks``) on ``dp_shard``, or HSDP over ``dp_replicate``
     × ``dp_shard``."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -270,8 +288,8 @@ def placed_model(desc: dict, split: dict, values: list[torch.Tensor]) -> nn.Sequ
     with torch.no_grad():
         for p, value in zip(model.parameters(), values):
             p.copy_(value)
-    mesh = init_device_mesh("cpu", (split["dp_replicate"], split["dp_shard"], split["tp"]),
-                           mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    mesh = cached_mesh((split["dp_replicate"], split["dp_shard"], split["tp"]),
+                       ("dp_replicate", "dp_shard", "tp"))
     parallelize_module(model, mesh["tp"], plan)
     for module in model:
         if isinstance(module, Experts):  # expert parallel over the tensor-parallel ranks
