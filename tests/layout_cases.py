@@ -78,7 +78,13 @@ def base_seed() -> int:
 
 
 def seeds() -> list[int]:
-    """The fixed base seed, then ``HF_SHAMPOO_LAYOUT_FRESH`` seeds from the clock."""
+    """The fixed base seed, then ``HF_SHAMPOO_LAYOUT_FRESH`` seeds from the clock; or
+    exactly ``HF_SHAMPOO_LAYOUT_SEEDS`` (comma-separated: a whole earlier run again, its
+    cases in the same processes in the same order, for a failure that needs the cases
+    before it)."""
+    listed = os.environ.get("HF_SHAMPOO_LAYOUT_SEEDS")
+    if listed:
+        return [int(seed) for seed in listed.split(",")]
     fresh = int(os.environ.get("HF_SHAMPOO_LAYOUT_FRESH", "1"))
     clock = random.Random(time.time_ns())
     return [base_seed()] + [clock.randrange(1, 2**31) for _ in range(fresh)]

@@ -235,8 +235,13 @@ def test_drawn_layout_is_bit_identical_to_one_process(results, world, index):
     case = CASES[world][index]
     ranks = world_results(results, world)
     seed = case["base_seed"] if case["base_seed"] != "regression" else base_seed()
+    cases = os.environ.get("HF_SHAMPOO_LAYOUT_CASES", "1")
     rerun = (f"HF_SHAMPOO_LAYOUT_SEED={seed} HF_SHAMPOO_LAYOUT_FRESH=0 "
-             f"python -m pytest tests/test_generated_layouts.py -k 'world{world}-' ")
+             f"HF_SHAMPOO_LAYOUT_CASES={cases} "
+             f"python -m pytest tests/test_generated_layouts.py -k 'world{world}-' "
+             "(this seed's cases alone); the whole run again, every case before it in the "
+             f"same processes: HF_SHAMPOO_LAYOUT_SEEDS={','.join(map(str, SEEDS))} "
+             f"HF_SHAMPOO_LAYOUT_CASES={cases}")
     about = f"case {index} of world {world}:\n{lc.describe(case)}\nrerun: {rerun}"
     got = [r[index] if index < len(r) else None for r in ranks]
     errors = [(rank, g["error"]) for rank, g in enumerate(got) if g is not None and "error" in g]
