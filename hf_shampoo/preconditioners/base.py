@@ -230,7 +230,7 @@ class Preconditioner:
     def before_step(self, stacks: list, groups: list[dict], distributor) -> None:
         """The per-step hook of a kind with ``steps_on_every_rank``: called once per step on
         every rank, after the non-finite check and before any gradient is gathered or
-        direction computed (``pipeline.before_step``), with every stack of this kind in
+        direction computed (``step.before_step``), with every stack of this kind in
         the layout (all ranks' stacks, in the layout's order: the same list everywhere),
         so that collectives issued here in that order match across ranks. The parameters
         are this step's (they change only in the distributor's ``finish_step``). Whatever
