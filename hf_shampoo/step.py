@@ -34,7 +34,7 @@ from .distributors.agreement import Plan
 from .linalg import finite_rows
 from .preconditioners import kind_of
 from .stack import BlockStack, ShampooNumericalError, StackStep, Workspace
-from .stages import add_rows
+from .update_rules import add_rows
 
 
 @dataclass

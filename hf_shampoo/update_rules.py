@@ -1,4 +1,5 @@
-"""The stages of docs/design.md §2 that every preconditioner kind shares, as small functions.
+"""The update rules of docs/design.md §2 that every preconditioner kind shares, as small
+functions.
 
 Each works on a stack of same-shape blocks (leading dim: the block) and the stack's state
 dict, in place where it can: grafting state (line 3), the filtered gradient (line 4),
@@ -73,7 +74,7 @@ class Scratch:
 
 
 def state_shapes(group: dict, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
-    """Name → (per-block shape, dtype) of the state these stages keep."""
+    """Name → (per-block shape, dtype) of the state these update rules keep."""
     shapes = {}
     if group["grafting"] in ("adagrad", "rmsprop", "adam"):
         shapes["grafting_state"] = (shape, dtype)
