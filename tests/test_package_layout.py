@@ -90,16 +90,16 @@ def test_no_import_circle_in_the_package():
 def test_distributors_import_only_their_base():
     """The siblings import the interface (base), the placement facts (placements) and the
     ranks they spread blocks over (groups); zero.py is the sharded distributor over
-    DeepSpeed's partitions, so it adds fsdp, and local.py (fsdp_mode="local") is one
+    DeepSpeed's partitions, so it adds sharded, and local.py (fsdp_mode="local") is one
     process per shard, so it adds single; agreement.py (ranks hold the same parameters)
     reads placements only, groups.py too."""
     graph = import_graph()
     shared = {"hf_shampoo.distributors.base", "hf_shampoo.distributors.placements",
               "hf_shampoo.distributors.groups"}
-    allowed = {"single": shared, "ddp": shared, "fsdp": shared, "placements": set(),
+    allowed = {"single": shared, "ddp": shared, "sharded": shared, "placements": set(),
                "agreement": {"hf_shampoo.distributors.placements"},
                "groups": {"hf_shampoo.distributors.placements"},
-               "zero": shared | {"hf_shampoo.distributors.fsdp"},
+               "zero": shared | {"hf_shampoo.distributors.sharded"},
                "local": shared | {"hf_shampoo.distributors.single"}}
     for sibling, may in allowed.items():
         imported = {m for m in graph[f"hf_shampoo.distributors.{sibling}"]
