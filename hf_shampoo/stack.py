@@ -32,15 +32,12 @@ import torch
 from torch import Tensor
 
 from . import averaging, compiled, delayed_refresh, update_rules
+from .errors import ShampooNumericalError  # defined there; exported here as well
 from .health import StackHealth
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
 
 MAX_CONSECUTIVE_FAILURES = 3
-
-
-class ShampooNumericalError(RuntimeError):
-    """A factor matrix became non-finite, or its eigendecomposition kept failing."""
 
 
 class Workspace:

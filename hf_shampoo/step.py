@@ -31,9 +31,10 @@ from .config import is_preconditioning, is_refresh_step, start_step
 from .delayed_refresh import apply_due, delay_of
 from .distributors import OTHER_RANK, Distributor, greedy_assignment, refresh_work
 from .distributors.agreement import Plan
+from .errors import ShampooNumericalError
 from .linalg import finite_rows
 from .preconditioners import kind_of
-from .stack import BlockStack, ShampooNumericalError, StackStep, Workspace
+from .stack import BlockStack, StackStep, Workspace
 from .update_rules import add_rows
 
 
