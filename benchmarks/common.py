@@ -28,8 +28,8 @@ from hf_shampoo.distributors import (
     block_cost,
     greedy_assignment,
 )
-from hf_shampoo.distributors.fsdp import ShardedDistributor
 from hf_shampoo.distributors.placements import chunk_boxes
+from hf_shampoo.distributors.sharded import ShardedDistributor
 from hf_shampoo.stack import BlockRef, BlockStack
 
 MODELS = ("resnet50", "gpt2", "gpt2-medium", "gpt2-tiny")

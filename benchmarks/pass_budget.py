@@ -5,7 +5,7 @@ they move, counted from ``torch.profiler``'s operator records of one step in one
 The parameters are the hidden matrices of a GPT-2 (``--layers``, ``--width``: ``c_attn``,
 ``attn.c_proj``, ``c_fc``, ``mlp.c_proj``) in float32 with fixed gradients; the step is
 steady (past the first refresh, before the next). Every leaf aten operator of the step is
-attributed to the stage it runs in (the step's stages, ``pipeline.py``): ``check`` (the
+attributed to the stage it runs in (the step's stages, ``step.py``): ``check`` (the
 non-finite gradient check) and ``apply`` (adding the directions to the parameters) read every
 gradient or parameter on every rank; ``gather`` (stacking gradients) and ``directions`` (the
 preconditioner's math) touch only the blocks a rank owns. Per operator: calls, the elements
@@ -31,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.common import command_line, hardware
-from hf_shampoo import DistributedShampoo, pipeline
+from hf_shampoo import DistributedShampoo, step
 
 KINDS = {
     "shampoo": dict(preconditioner="shampoo", grafting="adam", epsilon=1e-12),
@@ -85,12 +85,12 @@ def _labelled(label: str, fn):
 
 @contextlib.contextmanager
 def stages_labelled(opt: DistributedShampoo):
-    """The step's stages wrapped in profiler ranges (``pipeline``'s functions, the
+    """The step's stages wrapped in profiler ranges (``step``'s functions, the
     distributor's methods), restored on exit; nothing else changes."""
     distributor = type(opt.distributor)
-    patches = [(pipeline, "gather_gradients", "gather"),
-               (pipeline, "check_refreshed_factors", "refresh check"),
-               (pipeline, "compute_directions", "directions"),
+    patches = [(step, "gather_gradients", "gather"),
+               (step, "check_refreshed_factors", "refresh check"),
+               (step, "compute_directions", "directions"),
                (distributor, "active_members", "check"),
                (distributor, "finish_step", "apply")]
     saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]

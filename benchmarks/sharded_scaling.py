@@ -1,7 +1,7 @@
 """Per-rank optimizer state and bytes communicated per step under FSDP2 (docs/design.md §8).
 
 Computed for simulated ranks of 1-D FSDP2 meshes (the real block assignment and
-communication plan of ``hf_shampoo.distributors.fsdp``, no process group): the largest
+communication plan of ``hf_shampoo.distributors.sharded``, no process group): the largest
 rank's state (Shampoo with Adam grafting, float32) and per-step buffers, and the bytes all
 ranks send in a step (gradients in, directions out) and the busiest rank's sent + received,
 for DDP (one all-gather of every direction), FSDP2 lossless (ours: only rows the owner

@@ -5,7 +5,7 @@ preset=...)`` builds it with per-module rules (``preset="muon"``: Muon on hidden
 Adam elsewhere) and ``describe(optimizer)`` shows what each parameter got;
 ``ShampooNumericalError`` is raised when a gradient or a factor matrix is not finite or an
 eigendecomposition keeps failing; ``CheckpointError`` when a checkpoint is missing, cut short
-or damaged (which checkpoint, which file, what to do).
+or damaged (which checkpoint, which file, what to do); both live in ``errors.py``.
 Importing the package registers the optimizer with transformers
 (``TrainingArguments(optim="distributed_shampoo")`` and ``optim="distributed_muon"``) and
 timm (``opt="shampoo"``) as soon as those libraries load, without importing either itself.
@@ -14,12 +14,11 @@ torch is the only requirement; an integration used without its library raises an
 release's version.
 """
 
-from .checkpoint.integrity import CheckpointError
+from .errors import CheckpointError, ShampooNumericalError
 from .integrations.modules import describe, make_optimizer
 from .integrations.timm import register_on_import as _register_timm
 from .integrations.transformers import register_on_import as _register_transformers
 from .optimizer import DistributedShampoo
-from .stack import ShampooNumericalError
 
 __all__ = ["CheckpointError", "DistributedShampoo", "ShampooNumericalError", "describe",
            "make_optimizer"]

@@ -1,12 +1,12 @@
 """``compile=True``: the step's elementwise stages compiled with ``torch.compile``.
 
-``stages_for(group)`` gives ``BlockStack.direction`` the stages it runs: the ``stages``
-module itself (eager, ``compile=False``), or a ``CompiledStages`` with the same functions
-for docs/design.md §2 lines 3 and 5–8 (grafting state, grafting, weight decay, momentum,
-``-lr``), each one ``torch.compile``d kernel over the stack: one pass over memory where
-eager torch makes one per operation. Everything else, the preconditioner kinds'
-statistics, eigendecompositions, QR, root solves and preconditioning products, stays
-eager, as Meta's ``ShampooPT2CompileConfig`` leaves preconditioning out of its graph.
+``stages_for(group)`` gives ``BlockStack.direction`` the stages it runs: the
+``update_rules`` module itself (eager, ``compile=False``), or a ``CompiledStages`` with the
+same functions for docs/design.md §2 lines 3 and 5–8 (grafting state, grafting, weight
+decay, momentum, ``-lr``), each one ``torch.compile``d kernel over the stack: one pass over
+memory where eager torch makes one per operation. Everything else, the preconditioner
+kinds' statistics, eigendecompositions, QR, root solves and preconditioning products,
+stays eager, as Meta's ``ShampooPT2CompileConfig`` leaves preconditioning out of its graph.
 
 Line 4, the filtered gradient ``Ĝ``, stays eager too: it is what the preconditioner
 multiplies, and it must be eager's to the last bit. A fused kernel rounded ``β1 M +
@@ -23,11 +23,12 @@ How the kernels avoid recompiling:
   any block order share a graph; the second shape makes the sizes symbolic (torch's
   automatic dynamic shapes), after which one graph serves every stack;
 - the coefficients (``β2``, ``μ``, the bias correction, ``-lr``, the decay factor) are computed in
-  Python as in ``stages.py`` and passed as 0-dim float64 CPU tensors, so a learning rate
-  schedule or the step counter never recompiles; only the settings that choose a branch
+  Python as in ``update_rules.py`` and passed as 0-dim float64 CPU tensors, so a learning
+  rate schedule or the step counter never recompiles; only the settings that choose a branch
   (grafting method, momentum on or off, ...) are part of a graph.
 
-A call the kernels do not cover (a non-contiguous tensor) runs ``stages.py``'s function.
+A call the kernels do not cover (a non-contiguous tensor) runs ``update_rules.py``'s
+function.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import stages
+from . import update_rules
 
 
 def compile_options(value: Any) -> dict[str, Any] | None:
@@ -103,17 +104,18 @@ def _finish_scaled(direction: Tensor, scale: Tensor, out: Tensor, neg_lr: Tensor
 KERNELS = ("_second_moment", "_graft", "_finish", "_finish_scaled")
 
 
-# ---------------------------------------------------------------- stages.py's interface
+# ---------------------------------------------------------- update_rules.py's interface
 class CompiledStages:
-    """``stages.py``'s functions for lines 3 and 5–8, run by the compiled kernels; any other
-    name (line 4's ``filtered_gradient`` among them) is the module's own (eager) function."""
+    """``update_rules.py``'s functions for lines 3 and 5–8, run by the compiled kernels; any
+    other name (line 4's ``filtered_gradient`` among them) is the module's own (eager)
+    function."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
         self.kernels = {name: torch.compile(globals()[name], **options) for name in KERNELS}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(stages, name)
+        return getattr(update_rules, name)
 
     def update_grafting_state(self, state: dict, group, grad: Tensor) -> None:
         grafting, beta2 = group["grafting"], group["grafting_beta2"]
@@ -121,7 +123,7 @@ class CompiledStages:
             return
         v = state["grafting_state"]
         if not _flat(v, grad):
-            return stages.update_grafting_state(state, group, grad)
+            return update_rules.update_grafting_state(state, group, grad)
         beta2, weight = (1.0, 1.0) if grafting == "adagrad" else (beta2, 1.0 - beta2)
         self.kernels["_second_moment"](_rows(v), _rows(grad), _scalar(beta2), _scalar(weight))
 
@@ -131,7 +133,7 @@ class CompiledStages:
             return x
         v = state["grafting_state"]
         if not _flat(v, x, out):
-            return stages.graft(state, group, step, x, out)
+            return update_rules.graft(state, group, step, x, out)
         self.kernels["_graft"](_rows(v), _rows(x), _rows(out), self._graft_bias(group, step),
                                _scalar(group["grafting_epsilon"]))
         return out
@@ -144,23 +146,24 @@ class CompiledStages:
     def apply_grafting(self, state: dict, group, step: int, direction: Tensor,
                        filtered: Tensor, grafting_rows: list[int], out: Tensor,
                        norms: list | None = None) -> Tensor | None:
-        """``stages.apply_grafting`` with the grafting direction by the compiled kernel; the
-        norms stay eager: torch's float32 norm of a large block is off by a few 1e-6 (its
+        """``update_rules.apply_grafting`` with the grafting direction by the compiled kernel;
+        the norms stay eager: torch's float32 norm of a large block is off by a few 1e-6 (its
         summation order), and a fused sum in another order would not give eager's
         numbers."""
-        return stages.apply_grafting(state, group, step, direction, filtered, grafting_rows,
-                                     out, graft_fn=self.graft, norms=norms)
+        return update_rules.apply_grafting(state, group, step, direction, filtered,
+                                           grafting_rows, out, graft_fn=self.graft,
+                                           norms=norms)
 
     def finish_direction(self, state: dict, group, direction: Tensor, scale: Tensor | None,
                          owned: bool, param: Tensor | None, lr: float, out: Tensor,
                          copy_into: Tensor) -> None:
-        alpha = stages.folded_decay_factor(group)
+        alpha = update_rules.folded_decay_factor(group)
         mu = group["momentum"]
         buf = state["momentum"] if mu > 0 else None
-        param = stages.stacked(param, direction.dtype) if alpha is not None else None
+        param = update_rules.stacked(param, direction.dtype) if alpha is not None else None
         if not _flat(direction, scale, param, buf, out):
-            return stages.finish_direction(state, group, direction, scale, owned, param, lr,
-                                           out, copy_into)
+            return update_rules.finish_direction(state, group, direction, scale, owned, param,
+                                                 lr, out, copy_into)
         if alpha is None and buf is None and scale is not None:
             self.kernels["_finish_scaled"](_rows(direction), _rows(scale), _rows(out),
                                            _scalar(-lr))
@@ -185,11 +188,11 @@ _COMPILED: dict[str, CompiledStages] = {}  # repr of the options → their compi
 
 
 def stages_for(group) -> Any:
-    """The stages a step of this group runs: ``stages`` (``compile=False``) or the
+    """The stages a step of this group runs: ``update_rules`` (``compile=False``) or the
     compiled stages of its ``compile`` options (made once per process and options)."""
     options = compile_options(group["compile"])
     if options is None:
-        return stages
+        return update_rules
     key = repr(sorted(options.items()))
     if key not in _COMPILED:
         _COMPILED[key] = CompiledStages(options)

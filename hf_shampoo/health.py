@@ -55,7 +55,7 @@ class StackHealth:
     # refresh (recomputed), 0 if it kept it, NaN before its first check
     recomputed: dict[str, Tensor] = field(default_factory=dict)
     # the last step's grafting norms: (step, ‖graft(Ĝ)‖ per row, ‖P‖ per row, rows that
-    # still graft), references to the tensors ``stages.apply_grafting`` made
+    # still graft), references to the tensors ``update_rules.apply_grafting`` made
     graft: tuple | None = None
 
     @staticmethod

@@ -3,7 +3,7 @@
 The class validates hyperparameters and param groups, lays parameters out as blocks and
 stacks (``blocking.py``, ``stack.py``) owned by ranks (``distributors/``), keeps torch's
 optimizer API (``step``, ``state_dict`` / ``load_state_dict`` in ``checkpoint/``'s layout)
-and runs a step as the named stages of ``pipeline.py``, so that nothing is half-done.
+and runs a step as the named stages of ``step.py``, so that nothing is half-done.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, delayed_refresh, health, pipeline, stacking
+from . import averaging, delayed_refresh, health, stacking, step
 from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
@@ -42,10 +42,10 @@ from .distributors.zero import (
     refuse_deepspeed_fp16_stage0,
 )
 from .delayed_refresh import Refresher
-from .pipeline import Layout
 from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
 from .state_view import StateView
+from .step import Layout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -519,7 +519,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _refresh_slots(self, blocks: list[BlockRef], shapes: list[tuple[int, ...]],
                        kinds: list[tuple]) -> list[int | None] | None:
-        """Each block's staggered refresh offset as ``pipeline.assign_refresh_offsets`` will
+        """Each block's staggered refresh offset as ``step.assign_refresh_offsets`` will
         give it (for the owners to balance each step's refreshes; docs/performance.md),
         ``None`` for blocks that refresh with every block or never; ``None`` if none is
         staggered."""
@@ -532,8 +532,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                 by_group.setdefault(block.group_index, []).append(i)
         for gi, members in by_group.items():
             members.sort(key=lambda i: (blocks[i].param_index, blocks[i].block_index))
-            offsets = pipeline.staggered_offsets([shapes[i] for i in members],
-                                                 self.param_groups[gi]["precondition_frequency"])
+            offsets = step.staggered_offsets([shapes[i] for i in members],
+                                             self.param_groups[gi]["precondition_frequency"])
             for i, offset in zip(members, offsets):
                 slots[i] = offset
         return slots if by_group else None
@@ -709,7 +709,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _step(self, closure=None):
         """The step itself (``step``'s stages).
 
-        The stages, each a function of ``pipeline.py``, run so that nothing is half-done:
+        The stages, each a function of ``step.py``, run so that nothing is half-done:
         refuse non-finite gradients (``check_finite_gradients``); gather the owned stacks'
         gradients and plan each block's step; check the refreshed
         factors before any state or parameter changes; compute every owned block's
@@ -731,17 +731,17 @@ class DistributedShampoo(torch.optim.Optimizer):
 
         active, nonfinite = distributor.active_members(
             layout.stacks, self.defaults["check_finite_gradients"])
-        pipeline.refuse_nonfinite_gradients(nonfinite, layout, max(steps, default=0))
-        pipeline.before_step(layout, groups, distributor)  # kinds' per-step hook, every rank
+        step.refuse_nonfinite_gradients(nonfinite, layout, max(steps, default=0))
+        step.before_step(layout, groups, distributor)  # kinds' per-step hook, every rank
         distributor.prepare_step(layout, active, self._needs_params)
-        jobs = pipeline.gather_gradients(layout, groups, steps, active, distributor,
-                                         self._param_rows)
-        pipeline.check_refreshed_factors(jobs, layout, groups, steps, active, distributor)
-        pipeline.apply_delayed_refreshes(jobs, layout, groups, steps, self._refresher)
+        jobs = step.gather_gradients(layout, groups, steps, active, distributor,
+                                     self._param_rows)
+        step.check_refreshed_factors(jobs, layout, groups, steps, active, distributor)
+        step.apply_delayed_refreshes(jobs, layout, groups, steps, self._refresher)
         averaged = [averaging.step_coefficients(group) for group in groups]
         for stack, job in jobs:
             job.averaging = averaged[stack.group_index][0]
-        pipeline.compute_directions(jobs, self._workspace, self._param_rows)
+        step.compute_directions(jobs, self._workspace, self._param_rows)
         self._health.record(jobs, max(steps, default=0))
         distributor.finish_step(layout, active)
         for group, t, (_, lr_sum) in zip(groups, steps, averaged):
@@ -788,8 +788,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         return self.param_groups[stack.group_index]["weight_decay"] > 0
 
     def _update_refresh_offsets(self, layout: Layout) -> None:
-        """Give every block its refresh schedule offset (``pipeline.assign_refresh_offsets``)."""
-        pipeline.assign_refresh_offsets(layout, self.param_groups, self._schedules)
+        """Give every block its refresh schedule offset (``step.assign_refresh_offsets``)."""
+        step.assign_refresh_offsets(layout, self.param_groups, self._schedules)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

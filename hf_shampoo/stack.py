@@ -4,7 +4,7 @@ A ``BlockStack`` holds every optimizer state tensor of ``n`` same-shape blocks o
 parameter group, stacked along a leading dim, so that factor updates, preconditioning
 and eigendecompositions are single batched calls. ``direction`` runs docs/design.md §2 lines 2–8
 for the stack: the group's preconditioner kind (``preconditioners/``, one module per
-kind) and the shared ``stages``. State names (also the checkpoint keys, see
+kind) and the shared ``update_rules``. State names (also the checkpoint keys, see
 ``checkpoint/layout.py``):
 
 - ``factor_matrix_{j}``: ``F_j`` per preconditioned dim ``j``
@@ -31,16 +31,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import averaging, compiled, delayed_refresh, stages
+from . import averaging, compiled, delayed_refresh, update_rules
+from .errors import ShampooNumericalError  # defined there; exported here as well
 from .health import StackHealth
 from .preconditioners import kind_of
 from .preconditioners.refresh import split_first
 
 MAX_CONSECUTIVE_FAILURES = 3
-
-
-class ShampooNumericalError(RuntimeError):
-    """A factor matrix became non-finite, or its eigendecomposition kept failing."""
 
 
 class Workspace:
@@ -191,7 +188,7 @@ class BlockStack:
     def expected_state(self, group: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name → (per-block shape, dtype) of every state tensor this group needs."""
         shapes = kind_of(group).state_shapes(self, group)
-        shapes.update(stages.state_shapes(group, self.shape, self.work_dtype))
+        shapes.update(update_rules.state_shapes(group, self.shape, self.work_dtype))
         if delayed_refresh.delay_of(group):
             shapes.update(delayed_refresh.state_shapes(self, group))
         return shapes
@@ -233,14 +230,14 @@ class BlockStack:
         """docs/design.md §2 lines 2–8 for the rows of ``job``: writes ``-lr * P`` into ``out``.
 
         The kind (``preconditioners/``) does the statistics, the refresh and ``P``; the
-        shared ``stages`` the rest. ``job.grad`` may be modified; ``job.param`` (views of
+        shared ``update_rules`` the rest. ``job.grad`` may be modified; ``job.param`` (views of
         the parameters where the layout allows) is only read.
         Intermediate results live in ``workspace`` (shared by all stacks), so that a
         steady step allocates next to nothing.
         """
         group, step, state, grad = job.group, job.step, job.state, job.grad
         kind = kind_of(group)
-        stages = compiled.stages_for(group)  # the module, or its compiled lines 3-8 (compile)
+        stages = compiled.stages_for(group)  # update_rules, or its compiled lines 3-8 (compile)
 
         scratch = stages.Scratch(workspace, grad)
 

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from hf_shampoo import DistributedShampoo, compiled, stages
+from hf_shampoo import DistributedShampoo, compiled, update_rules
 from hf_shampoo.integrations.transformers.arguments import parse_optim_args
 
 pytestmark = pytest.mark.unit
@@ -218,10 +218,10 @@ def test_checkpoint_resume_compiled_equals_eager_continuation():
 
 
 def test_stages_for():
-    assert compiled.stages_for({"compile": False}) is stages
+    assert compiled.stages_for({"compile": False}) is update_rules
     first = compiled.stages_for({"compile": AOT})
     assert first is compiled.stages_for({"compile": dict(AOT)})  # made once per options
-    assert first.Scratch is stages.Scratch  # what is not compiled is the module's own
+    assert first.Scratch is update_rules.Scratch  # what is not compiled is the module's own
     assert compiled.stages_for({"compile": True}).options == {}
 
 

@@ -1,5 +1,5 @@
 """Views of the parameters, never of the gradients: weight decay reads the parameters
-through views (``param_rows``, ``stages.add_rows``), the same bits as decay from a stack;
+through views (``param_rows``, ``update_rules.add_rows``), the same bits as decay from a stack;
 the step stacks a copy of the gradients and never touches ``p.grad`` (torch's contract):
 after any number of steps each gradient is the same tensor, with the same ``_version`` and
 values, for Shampoo, SOAP, the Muon recipe and L2 decay, with gradients kept between steps
@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from hf_shampoo import DistributedShampoo, stages
+from hf_shampoo import DistributedShampoo, update_rules
 from tests.helpers import TEST_DEVICE, assert_bitwise, join_gloo_world, leave_gloo_world
 
 MUON = dict(preconditioner="spectral_descent", betas=(0.95, 1.0), beta3=0.95**2,
@@ -37,9 +37,9 @@ def test_decay_from_views_equals_decay_from_a_stack(shapes):
     rows = [torch.randn(s, generator=gen) for s in shapes]
     target = torch.randn((len(rows), *shapes[0]), generator=gen)
     expected = target.clone().add_(torch.stack(rows), alpha=0.1)
-    stages.add_rows(target, rows, 0.1)
+    update_rules.add_rows(target, rows, 0.1)
     assert torch.equal(target, expected)
-    groups = list(stages.row_groups(rows))
+    groups = list(update_rules.row_groups(rows))
     assert [i for a, b in groups for i in range(a, b)] == list(range(len(rows)))
 
 

@@ -145,15 +145,15 @@ def test_the_gradient_check_synchronises_once_per_step(default_device):
 
 def test_the_check_sees_a_synchronisation(monkeypatch):
     """The instrument itself: a ``.item()`` slipped into the steady path is reported."""
-    from hf_shampoo import stages
+    from hf_shampoo import update_rules
 
-    real = stages.update_grafting_state
+    real = update_rules.update_grafting_state
 
     def syncing(state, group, grad):
         grad.abs().max().item()
         return real(state, group, grad)
 
-    monkeypatch.setattr(stages, "update_grafting_state", syncing)
+    monkeypatch.setattr(update_rules, "update_grafting_state", syncing)
     opt, params, grads = _optimizer()
     for t in range(5):
         _step(opt, params, grads[t])

@@ -132,7 +132,7 @@ def test_no_kind_name_is_branched_on_outside_the_kinds():
     compares a group's kind with a name."""
     names = "|".join(KINDS)
     pattern = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](""" + names + r""")["']""")
-    for path in ["config.py", "pipeline.py", "optimizer.py", *(
+    for path in ["config.py", "step.py", "optimizer.py", *(
             str(p.relative_to(ROOT / "hf_shampoo"))
             for p in (ROOT / "hf_shampoo" / "integrations").rglob("*.py"))]:
         text = (ROOT / "hf_shampoo" / path).read_text(encoding="utf-8")

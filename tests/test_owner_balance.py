@@ -11,8 +11,8 @@ from hf_shampoo import DistributedShampoo, make_optimizer
 from hf_shampoo.distributors import SingleProcessDistributor, block_cost, greedy_assignment
 from hf_shampoo.distributors.base import STAGGERED_SLACK, owners_of_blocks, single_units
 from hf_shampoo.distributors.ddp import DataParallelDistributor
-from hf_shampoo.distributors.fsdp import ShardedDistributor
 from hf_shampoo.distributors.placements import chunk_boxes
+from hf_shampoo.distributors.sharded import ShardedDistributor
 from hf_shampoo.preconditioners import kind_of
 
 pytestmark = pytest.mark.unit

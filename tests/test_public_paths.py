@@ -1,16 +1,23 @@
 """Every import path the documentation shows works, and the moved ones still do, with a
-``DeprecationWarning`` that names the new path (CHANGELOG.md)."""
+``DeprecationWarning`` that names the new path (CHANGELOG.md): the same objects as the new
+module's, from a shim the package itself never imports. Saved state names no module."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import pickle
+import pickletools
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.test_package_layout import deprecated_shims, import_graph
 
 pytestmark = pytest.mark.unit
 
@@ -85,3 +92,159 @@ def test_the_moved_checkpoint_path_warns_and_still_works():
 
     assert (old.save_sharded, old.load_sharded, old.consolidate_checkpoint) == (
         save_sharded, load_sharded, consolidate_checkpoint)
+
+
+#: old import path → its new home (CHANGELOG.md, "Deprecated"); each old one is removed in 0.3.0
+MOVED = {
+    "hf_shampoo.pipeline": "hf_shampoo.step",
+    "hf_shampoo.stages": "hf_shampoo.update_rules",
+    "hf_shampoo.distributors.fsdp": "hf_shampoo.distributors.sharded",
+}
+
+
+def import_anew(old: str):
+    """Run the old module again (a second import of a cached module issues nothing)."""
+    sys.modules.pop(old, None)
+    return importlib.import_module(old)
+
+
+def test_every_shim_in_the_package_is_tested_here():
+    assert set(deprecated_shims()) == {*MOVED, "hf_shampoo.distributed_checkpoint"}
+
+
+@pytest.mark.parametrize(("old", "new"), MOVED.items())
+def test_the_old_path_warns_naming_the_new_one(old, new):
+    message = f"{old} moved to {new}; the old path is removed in 0.3.0"
+    with pytest.warns(DeprecationWarning, match=re.escape(message)) as caught:
+        import_anew(old)
+    assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [message]
+
+
+@pytest.mark.parametrize(("old", "new"), MOVED.items())
+def test_the_old_path_exposes_the_new_modules_objects(old, new):
+    """Every name of the new module, private ones and ``__all__`` included, is the same
+    object under the old path, as an attribute and in ``from old import ...``; ``import *``
+    gives the same names."""
+    with pytest.warns(DeprecationWarning):
+        moved = import_anew(old)
+    module = importlib.import_module(new)
+    names = [n for n in vars(module) if not (n.startswith("__") and n.endswith("__"))]
+    assert len(names) > 5
+    for name in names:
+        assert getattr(moved, name) is getattr(module, name), name
+    if hasattr(module, "__all__"):
+        assert moved.__all__ == module.__all__
+    else:
+        assert not hasattr(moved, "__all__")
+    first = names[0]
+    imported: dict = {}
+    exec(f"from {old} import {first}", imported)
+    assert imported[first] is getattr(module, first)
+    old_star: dict = {}
+    new_star: dict = {}
+    exec(f"from {old} import *", old_star)
+    exec(f"from {new} import *", new_star)
+    del old_star["__builtins__"], new_star["__builtins__"]
+    assert old_star.keys() == new_star.keys()
+    assert all(old_star[k] is new_star[k] for k in new_star)
+    with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'nothing_such'"):
+        moved.nothing_such  # noqa: B018
+
+
+def test_attribute_access_through_the_package_works():
+    with pytest.warns(DeprecationWarning):
+        import_anew("hf_shampoo.pipeline")
+        import_anew("hf_shampoo.distributors.fsdp")
+    import hf_shampoo
+    from hf_shampoo.distributors.sharded import ShardedDistributor
+    from hf_shampoo.step import Layout
+
+    assert hf_shampoo.pipeline.Layout is Layout
+    assert hf_shampoo.distributors.fsdp.ShardedDistributor is ShardedDistributor
+
+
+def test_no_module_of_the_package_imports_a_shim():
+    shims = set(deprecated_shims())
+    importers = {name: sorted(imported & shims) for name, imported in import_graph().items()
+                 if name not in shims and imported & shims}
+    assert not importers
+
+
+STEP_WITHOUT_SHIMS = """
+import sys, torch, hf_shampoo, hf_shampoo.step, hf_shampoo.update_rules, hf_shampoo.errors
+import hf_shampoo.distributors.sharded, hf_shampoo.checkpoint
+w = torch.nn.Parameter(torch.randn(6, 4))
+for kind in ("shampoo", "eigenvalue_corrected", "spectral_descent"):
+    opt = hf_shampoo.DistributedShampoo([w], lr=0.01, preconditioner=kind,
+                                        precondition_frequency=1, momentum=0.5,
+                                        weight_decay=0.1, grafting="adam")
+    for _ in range(2):
+        w.grad = torch.randn(6, 4)
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+print(sorted(set(sys.argv[1:]) & set(sys.modules)))
+"""
+
+
+def test_importing_and_stepping_issues_no_deprecation_warning():
+    """In a fresh process with DeprecationWarning an error: importing the package and its
+    renamed modules, steps of three kinds and a state round trip; no shim gets imported."""
+    result = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", STEP_WITHOUT_SHIMS,
+         *deprecated_shims()], capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_exceptions_live_in_errors_and_keep_their_old_homes():
+    from hf_shampoo import CheckpointError, ShampooNumericalError, checkpoint, errors, stack
+    from hf_shampoo.checkpoint import integrity
+
+    assert ShampooNumericalError is errors.ShampooNumericalError is stack.ShampooNumericalError
+    assert CheckpointError is errors.CheckpointError is integrity.CheckpointError
+    assert CheckpointError is checkpoint.CheckpointError
+    assert integrity.ADVICE == errors.CHECKPOINT_ADVICE
+    assert issubclass(ShampooNumericalError, RuntimeError)
+    assert issubclass(CheckpointError, ValueError)
+
+
+def test_make_optimizer_is_where_the_docs_say():
+    import hf_shampoo
+    from hf_shampoo.integrations import modules
+
+    assert hf_shampoo.make_optimizer is modules.make_optimizer
+    assert hf_shampoo.describe is modules.describe
+
+
+def _pickled_modules(obj) -> set[str]:
+    """The modules a pickle of ``obj`` names (its GLOBAL / STACK_GLOBAL references)."""
+    found, strings = set(), []
+    for opcode, arg, _ in pickletools.genops(pickle.dumps(obj)):
+        if opcode.name == "GLOBAL":
+            found.add(arg.split(" ")[0])
+        elif opcode.name == "STACK_GLOBAL":
+            found.add(strings[-2])
+        if isinstance(arg, str):
+            strings.append(arg)
+    return found
+
+
+def test_saved_state_names_no_module_of_the_package():
+    """A checkpoint (``state_dict()``, with a delayed refresh pending) pickles no class of
+    the package, so that moving a module never breaks loading one; pickling the optimizer
+    itself names only ``hf_shampoo.optimizer`` (its class)."""
+    from hf_shampoo import DistributedShampoo
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(6))]
+    opt = DistributedShampoo(params, lr=0.01, grafting="adam", precondition_frequency=2,
+                             momentum=0.5, refresh_delay=1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    state = opt.state_dict()
+    assert not {m for m in _pickled_modules(state) if m.split(".")[0] == "hf_shampoo"}
+    assert {m for m in _pickled_modules(opt) if m.split(".")[0] == "hf_shampoo"} == {
+        "hf_shampoo.optimizer"}

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.stack import ShampooNumericalError
+from hf_shampoo.errors import ShampooNumericalError
 from tests.helpers import TEST_DEVICE, generator
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]

@@ -241,8 +241,8 @@ class _Planner:
     """The lossless assignment for a simulated 1-D mesh (no process group)."""
 
     def __init__(self, world):
-        from hf_shampoo.distributors.fsdp import ShardedDistributor
         from hf_shampoo.distributors.placements import chunk_boxes
+        from hf_shampoo.distributors.sharded import ShardedDistributor
 
         self.planner = ShardedDistributor(
             rank=0, world_size=world,

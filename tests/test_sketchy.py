@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.stack import ShampooNumericalError
+from hf_shampoo.errors import ShampooNumericalError
 from tests.helpers import torch_threads
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,8 @@ state); Accelerate marks nothing, so ``integrations.accelerate.save_state`` writ
 ``COMPLETE_MARK`` once every rank is done. ``CheckpointError`` says which checkpoint, which
 file, what is wrong with it and what to do (resume from the previous checkpoint); it is an
 ``Exception`` (torch's own ``CheckpointException`` is a ``BaseException``, which ``except
-Exception`` misses) and a ``ValueError``, as the refusals of ``load_state_dict`` are.
+Exception`` misses) and a ``ValueError``, as the refusals of ``load_state_dict`` are. It is
+defined in ``errors.py`` with the package's other exceptions and exported here as well.
 """
 
 from __future__ import annotations
@@ -20,29 +21,13 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import CHECKPOINT_ADVICE, CheckpointError
+
 COMPLETE_MARK = "hf_shampoo_complete.json"
 TRAINER_STATE = "trainer_state.json"  # what the HF Trainer writes last
 DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint writes last
 
-ADVICE = "resume from the previous complete checkpoint instead (this one is left as it is)"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as it is: missing, cut short or damaged.
-
-    ``checkpoint`` is the directory, ``file`` the file at fault (None when the whole
-    directory is), ``problem`` what is wrong; nothing has been loaded when it is raised.
-    """
-
-    def __init__(self, checkpoint: str | os.PathLike, problem: str,
-                 file: str | os.PathLike | None = None, advice: str = ADVICE) -> None:
-        self.checkpoint = os.fspath(checkpoint)
-        self.file = None if file is None else os.fspath(file)
-        self.problem = problem if file is None else f"{os.fspath(file)}: {problem}"
-        where = f"checkpoint {self.checkpoint!r}"
-        if self.file is not None:
-            where += f", file {self.file!r}"
-        super().__init__(f"hf_shampoo: {where}: {problem}; {advice}")
+ADVICE = CHECKPOINT_ADVICE  # the name it had here, before errors.py
 
 
 def mark_complete(checkpoint: str | os.PathLike) -> Path:

@@ -4,7 +4,7 @@ docs/parallelism.md#limits).
 
 The data-parallel and sharded distributors run collectives whose sizes come from the
 layout: one all-gather of every owner's directions (``ddp``), flags per parameter and
-parts per block (``fsdp``, ``zero``). Ranks that hold different parameters, as pipeline
+parts per block (``sharded``, ``zero``). Ranks that hold different parameters, as pipeline
 stages do, would call them with different sizes: gloo aborts the process, NCCL hangs. Ranks
 that hold the same parameters with different settings (one rank's ``lr`` or kind not the
 other's) would exchange directions computed with either rank's settings, so that the

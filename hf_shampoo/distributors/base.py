@@ -6,9 +6,10 @@ A distributor knows ranks, block assignment and buffers, and nothing of the algo
 rank); the helpers below stack a stack's gradients or parameters into one tensor, keep its
 persistent buffers, and add every block's direction to its parameter. The distributors
 themselves are siblings that import only this module (and ``placements``, ``groups``):
-``single`` (one process), ``ddp`` (blocks spread over data-parallel ranks, one all-gather), ``fsdp``
-(FSDP2 / HSDP / tensor parallel, lossless); ``local`` (``fsdp_mode="local"``) is one
-process per shard and builds on ``single``, ``zero`` on ``fsdp``.
+``single`` (one process), ``ddp`` (blocks spread over data-parallel ranks, one all-gather),
+``sharded`` (every DTensor layout: FSDP2 / HSDP / tensor parallel, lossless); ``local``
+(``fsdp_mode="local"``) is one process per shard and builds on ``single``, ``zero`` on
+``sharded``.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Distributor:
     ``is_sharded_state``, ``state_key_prefix`` and ``global_rank_and_world``. Nothing
     else: every per-step fact
     travels as an argument, and a distributor keeps only what its layout planned.
-    Subclasses (``single``, ``ddp``, ``fsdp``, ``local``, ``zero``) decide where blocks
+    Subclasses (``single``, ``ddp``, ``sharded``, ``local``, ``zero``) decide where blocks
     live; none of them knows the algorithm. ``assign``, ``allocate_directions`` and
     ``finish_step`` are theirs to define; the rest has the one-process meaning here.
     """

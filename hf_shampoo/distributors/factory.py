@@ -11,9 +11,9 @@ from torch import Tensor
 
 from .base import Distributor
 from .ddp import DataParallelDistributor
-from .fsdp import ShardedDistributor, is_dtensor, layout_signature, refuse_unsupported
 from .groups import resolve
 from .local import LocalShardDistributor, local_mode_grid
+from .sharded import ShardedDistributor, is_dtensor, layout_signature, refuse_unsupported
 from .single import SingleProcessDistributor
 
 
@@ -43,7 +43,7 @@ def make_distributor(
 ) -> Distributor:
     """Pick the distributor for ``distributed`` = "auto" | "none" | "ddp" | "fsdp".
 
-    "auto": the sharded distributor (``fsdp.py``) when some parameters are DTensors
+    "auto": the sharded distributor (``sharded.py``) when some parameters are DTensors
     (FSDP2, HSDP, tensor parallel and their products), else
     Accelerate's world when its process state has set up distributed training, else
     torch.distributed's default group when initialised with more than one rank, else one

@@ -3,7 +3,7 @@
 Each rank blocks its own row shard of every FSDP2 / HSDP parameter as if it were the whole
 parameter, owns all of those blocks and communicates nothing beyond FSDP's own (and one
 flag when a gradient is not finite): the single-process distributor over local shards.
-Cheaper than the lossless ``fsdp.ShardedDistributor``, but the numbers depend on the world
+Cheaper than the lossless ``sharded.ShardedDistributor``, but the numbers depend on the world
 size; it takes FSDP2's ``(Shard(0),)`` and HSDP's ``(Replicate(), Shard(0))`` only.
 """
 

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .fsdp import ShardedDistributor
 from .placements import flat_range_boxes
+from .sharded import ShardedDistributor
 
 __all__ = ["ZeroPartitions", "find_zero_partitions", "refuse_deepspeed_fp16_stage0"]
 

@@ -6,8 +6,9 @@ failure counts) and the step's ``StackStep`` (rows, gradient, refresh rows). The
 calls, in this order: ``update_statistics`` (factor matrices), ``refresh`` for the rows
 whose amortized computation is due, ``after_refresh`` (statistics kept in the refreshed
 basis), then ``precondition`` of the filtered gradient. Grafting, weight decay and momentum
-are the shared ``stages``. A kind with ``steps_on_every_rank`` also gets ``before_step`` once
-per step on every rank, before all of these (for collectives, e.g. gathering weights).
+are the shared update rules (``update_rules.py``). A kind with ``steps_on_every_rank`` also
+gets ``before_step`` once per step on every rank, before all of these (for collectives,
+e.g. gathering weights).
 
 A kind also owns its configuration (docs/design.md §7): the keyword rows it introduces
 (``keywords``, gathered over its classes by ``own_keywords``), the common keywords it
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from ..keywords import Keyword, fail
 from ..kronecker import update_factor
-from ..stages import Scratch
+from ..update_rules import Scratch
 from .factored_keywords import FACTORED_KEYWORDS
 
 
@@ -230,7 +231,7 @@ class Preconditioner:
     def before_step(self, stacks: list, groups: list[dict], distributor) -> None:
         """The per-step hook of a kind with ``steps_on_every_rank``: called once per step on
         every rank, after the non-finite check and before any gradient is gathered or
-        direction computed (``pipeline.before_step``), with every stack of this kind in
+        direction computed (``step.before_step``), with every stack of this kind in
         the layout (all ranks' stacks, in the layout's order: the same list everywhere),
         so that collectives issued here in that order match across ranks. The parameters
         are this step's (they change only in the distributor's ``finish_step``). Whatever

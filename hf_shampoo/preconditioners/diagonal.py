@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .. import stages
+from .. import update_rules
 from .base import Preconditioner
 
 
@@ -19,4 +19,4 @@ class Diagonal(Preconditioner):
         return []
 
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch) -> Tensor:
-        return stages.graft(job.state, job.group, job.step, filtered, scratch("graft"))
+        return update_rules.graft(job.state, job.group, job.step, filtered, scratch("graft"))

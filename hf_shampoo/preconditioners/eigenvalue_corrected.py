@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import eigenbasis, linalg
 from ..keywords import fail
 from ..kronecker import multi_mode_product
-from ..stages import Scratch, second_moment_bias
+from ..update_rules import Scratch, second_moment_bias
 from . import refresh as common
 from .base import KroneckerFactored
 

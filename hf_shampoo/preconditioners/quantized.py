@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .. import eigenbasis, linalg, quantization
 from ..kronecker import update_factor
-from ..stages import Scratch, second_moment_bias
+from ..update_rules import Scratch, second_moment_bias
 from . import refresh as common
 from .eigendecomposed import EigendecomposedShampoo
 from .eigenvalue_corrected import EigenvalueCorrected

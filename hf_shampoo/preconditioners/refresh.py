@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import eigenbasis, linalg
-from ..stages import second_moment_bias
+from ..update_rules import second_moment_bias
 
 
 @dataclass

@@ -44,7 +44,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from .. import stages
+from .. import update_rules
 from .base import Preconditioner
 
 # peft's adapter names: "lora_A" / "lora_B" (linear, conv) and "lora_embedding_A" / "_B"
@@ -264,7 +264,7 @@ class RiemannianLoRA(Preconditioner):
             grad[index] = y.to(grad.dtype)
 
     def precondition(self, stack, job, filtered: Tensor, out: Tensor, scratch) -> Tensor:
-        return stages.graft(job.state, job.group, job.step, filtered, scratch("graft"))
+        return update_rules.graft(job.state, job.group, job.step, filtered, scratch("graft"))
 
 
 def _is_dtensor(tensor: Tensor) -> bool:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import linalg, root_solvers
 from ..kronecker import multi_mode_product
-from ..stages import Scratch
+from ..update_rules import Scratch
 from . import refresh as common
 from .base import KroneckerFactored
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import linalg, quantization
 from ..keywords import Keyword, boolean, fail, integer
 from ..kronecker import _bmm, unfold
-from ..stages import Scratch, second_moment_bias
+from ..update_rules import Scratch, second_moment_bias
 from .shampoo import Shampoo
 
 SKETCHY_KEYWORDS = (
