@@ -30,9 +30,10 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -163,9 +164,10 @@ class Refresher:
         return future, ready
 
 
-def submit(stack, job, refresher: Refresher) -> None:
+def submit(stack, job, refresher: Refresher, workspace_type: type) -> None:
     """The refresh of ``job.refresh_rows`` from a snapshot of their state now (after this
-    step's statistics), applied at ``job.step + refresh_delay``."""
+    step's statistics), applied at ``job.step + refresh_delay``; the worker gets its own
+    ``workspace_type()`` (the step's scratch is not shared)."""
     group = dict(job.group)  # the settings now (a ChainMap flattened; lr changes later)
     kind = kind_of(group)
     rows = job.refresh_rows
@@ -190,9 +192,7 @@ def submit(stack, job, refresher: Refresher) -> None:
     recorder = _Calls(stack, calls)
 
     def compute():
-        from .stack import Workspace  # the worker's own scratch (the step's is not shared)
-
-        workspace = Workspace()
+        workspace = workspace_type()
         with thread_count_untouched():  # the training thread's count stays as it is
             for group_rows, first in split_first(shadow.refresh_rows, shadow.first_rows):
                 kind.refresh(recorder, shadow, group_rows, first, workspace)

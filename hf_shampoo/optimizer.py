@@ -34,6 +34,7 @@ from .config import (
     validate_group,
     vector_settings,
 )
+from .delayed_refresh import Refresher
 from .distributors import Distributor, agreement, make_distributor
 from .distributors.groups import group_over, ranks_of
 from .distributors.zero import (
@@ -41,7 +42,6 @@ from .distributors.zero import (
     find_zero_partitions,
     refuse_deepspeed_fp16_stage0,
 )
-from .delayed_refresh import Refresher
 from .preconditioners import kind_of
 from .stack import BlockRef, BlockStack, Workspace
 from .state_view import StateView
@@ -132,7 +132,7 @@ class ShampooKeywords(TypedDict, total=False):
     root_abs_epsilon: float | None
     spectral_orthogonalization: str
     newton_schulz_iterations: int
-    newton_schulz_coefficients: tuple[float, float, float] | tuple[tuple[float, float, float], ...] | str
+    newton_schulz_coefficients: tuple | str
     newton_schulz_dtype: torch.dtype | None
     spectral_lr_adjustment: str | None
     sign_scale: str | None
@@ -212,7 +212,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         root_abs_epsilon: float | None = None,
         spectral_orthogonalization: str = "newton_schulz",
         newton_schulz_iterations: int = 5,
-        newton_schulz_coefficients: tuple[float, float, float] | tuple[tuple[float, float, float], ...] | str = (3.4445, -4.775, 2.0315),
+        newton_schulz_coefficients: tuple | str = (3.4445, -4.775, 2.0315),
         newton_schulz_dtype: torch.dtype | None = None,
         spectral_lr_adjustment: str | None = None,
         sign_scale: str | None = None,

@@ -246,7 +246,7 @@ class BlockStack:
         g = grad if grad.dtype == fdtype else grad.to(fdtype)
         kind.update_statistics(self, job, g, scratch)
         if job.refresh_rows and job.refresher is not None:  # refresh_delay: from a snapshot
-            delayed_refresh.submit(self, job, job.refresher)
+            delayed_refresh.submit(self, job, job.refresher, Workspace)
         elif job.refresh_rows:
             start = time.perf_counter()
             for rows, first in split_first(job.refresh_rows, job.first_rows):

@@ -153,8 +153,8 @@ def test_a_block_grafts_until_its_first_roots_arrive():
     delayed = train(3, kw, steps=6)  # start 4: roots from step 7 on
     grafting_only = train(0, kw | {"start_preconditioning_step": 100}, steps=6)
     assert_identical(delayed, grafting_only)
-    assert not all(torch.equal(x, y) for x, y in zip(train(3, kw, steps=7),
-                                                      train(0, kw | {"start_preconditioning_step": 100}, steps=7)))
+    started = train(0, kw | {"start_preconditioning_step": 100}, steps=7)
+    assert not all(torch.equal(x, y) for x, y in zip(train(3, kw, steps=7), started))
 
 
 def test_a_failure_in_the_background_is_reported_on_the_step_that_applies_it(monkeypatch):

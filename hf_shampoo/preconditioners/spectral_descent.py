@@ -47,8 +47,7 @@ SPECTRAL_KEYWORDS = (
     Keyword("newton_schulz_iterations", 5, int, integer(1), doc=(
             "spectral descent: Newton–Schulz iterations")),
     Keyword("newton_schulz_coefficients", MUON, tuple | str, _check_coefficients,
-            annotation="tuple[float, float, float] | tuple[tuple[float, float, float], ...] "
-                       "| str", doc=(
+            annotation="tuple | str", doc=(
             "spectral descent: `(a, b, c)` of `X ← aX + b(XXᵀ)X + c(XXᵀ)²X` for every "
             "iteration (default Muon's), one triple per iteration (the last repeated), "
             "`\"muon\"` or `\"polar_express\"` (arXiv 2505.16932: a minimax-optimal "
