@@ -179,14 +179,17 @@ ABLATIONS = {
     # ε as SOAP's: the correction divides by √D + ε, where Shampoo's 1e-12 is too small
     "eigenvalue correction on (ε 1e-8)": dict(preconditioner="eigenvalue_corrected", epsilon=1e-8),
     "staggered refresh": dict(refresh_schedule="staggered"),
-    # refresh_delay (f = 10): 0 reruns the base beside the delays, 2 is f/4 rounded down
+    # rank-deficient factors by the pseudo-inverse at the rounding floor (timm's default)
+    "pseudo-inverse roots (rank_rtol None)": dict(rank_deficient="pseudo_inverse", epsilon=0.0,
+                                                  rank_rtol=None),
+}
+#: run only when named with --ablations (not part of the default run): refresh_delay at
+#: f = 10, where 0 reruns the base beside the delays and 2 is f/4 rounded down
+NAMED_ONLY = {
     "refresh_delay 0": dict(refresh_delay=0),
     "refresh_delay 1": dict(refresh_delay=1),
     "refresh_delay 2": dict(refresh_delay=2),
     "refresh_delay 10": dict(refresh_delay=10),
-    # rank-deficient factors by the pseudo-inverse at the rounding floor (timm's default)
-    "pseudo-inverse roots (rank_rtol None)": dict(rank_deficient="pseudo_inverse", epsilon=0.0,
-                                                  rank_rtol=None),
 }
 
 
@@ -367,7 +370,8 @@ def run_task(task: Task, args) -> dict:
         record["runs"][name] = runs
     if task.name in args.ablation_tasks and (BASE in record["chosen"] or args.base_lr):
         lr = args.base_lr or record["chosen"][BASE]
-        for name, change in ABLATIONS.items():
+        named = {k: v for k, v in NAMED_ONLY.items() if k in (args.ablations or ())}
+        for name, change in {**ABLATIONS, **named}.items():
             if args.ablations and name not in args.ablations:
                 continue
             optimizer = Optimizer("shampoo", dict(SHAMPOO, **change))
@@ -661,7 +665,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help=f"run only the ablations, at this learning rate of {BASE!r} "
                              "(to split a long run over processes; merge with --replot)")
     parser.add_argument("--ablations", nargs="*", default=None,
-                        help=f"only these ablations (names: {', '.join(ABLATIONS)})")
+                        help="only these ablations (names: "
+                             f"{', '.join([*ABLATIONS, *NAMED_ONLY])})")
     parser.add_argument("--ablation-suffix", default="",
                         help="appended to the ablations' names (e.g. ' at lr 0.1', to keep "
                              "them apart from the same ablation at another rate on merging)")
@@ -674,7 +679,7 @@ def parse(argv=None) -> argparse.Namespace:
                              "batches, a 64-wide GPT-2")
     args = parser.parse_args(argv)
     for option, names, known in (("--optimizers", args.optimizers, OPTIMIZERS),
-                                 ("--ablations", args.ablations, ABLATIONS)):
+                                 ("--ablations", args.ablations, {**ABLATIONS, **NAMED_ONLY})):
         unknown = set(names or ()) - set(known)
         if unknown:
             parser.error(f"{option}: unknown {sorted(unknown)}; choose from {list(known)}")
