@@ -27,7 +27,6 @@ so a result depends on that count as any operator's may, never on timing.
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -77,7 +76,6 @@ class Pending:
     due: int
     positions: list[int]  # stack positions of the refreshed blocks
     future: Future
-    ready: Any = None  # CUDA: the event the main stream recorded after the snapshot
 
 
 class _Calls:
@@ -116,21 +114,12 @@ class Refresher:
         self.background = background
         self._pool: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}
-        self._lock = threading.Lock()
 
     def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_shampoo_refresh")
-                weakref.finalize(self, self._pool.shutdown, True)
-            return self._pool
-
-    def close(self) -> None:
-        """Wait for the submitted work and end the worker thread."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if self._pool is None:  # only the stepping thread submits
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_shampoo_refresh")
+            weakref.finalize(self, self._pool.shutdown, True)
+        return self._pool
 
     def _side_stream(self, device: torch.device):
         if device not in self._streams:
@@ -138,10 +127,9 @@ class Refresher:
         return self._streams[device]
 
     def submit(self, compute: Callable[[], Any], device: torch.device,
-               snapshot: list[Tensor]) -> tuple[Future, Any]:
+               snapshot: list[Tensor]) -> Future:
         """Run ``compute`` in the worker; on CUDA on a side stream that first waits for
         the snapshot (``snapshot``'s tensors are kept from the allocator until it ran)."""
-        ready = None
         if device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
@@ -161,7 +149,7 @@ class Refresher:
             future = self._executor().submit(lambda: (compute(), None))
         if not self.background:
             future.result()  # at once: the delayed result computed synchronously
-        return future, ready
+        return future
 
 
 def submit(stack, job, refresher: Refresher, workspace_type: type) -> None:
@@ -199,9 +187,9 @@ def submit(stack, job, refresher: Refresher, workspace_type: type) -> None:
         return {name: snapshot[name] for name in names}, calls
 
     start = time.perf_counter()
-    future, ready = refresher.submit(compute, device, list(snapshot.values()))
+    future = refresher.submit(compute, device, list(snapshot.values()))
     job.refresh_seconds = time.perf_counter() - start
-    stack.pending.append(Pending(job.step + delay_of(group), shadow.members, future, ready))
+    stack.pending.append(Pending(job.step + delay_of(group), shadow.members, future))
 
 
 def _result(pending: Pending, device: torch.device) -> tuple[dict[str, Tensor], list]:

@@ -72,6 +72,12 @@ def refuse_nonfinite_gradients(nonfinite: list[int], layout: Layout, step: int) 
     )
 
 
+def rows_of_state(stack: BlockStack, members: list[int]) -> dict[str, Tensor]:
+    """A copy of the members' rows of every state tensor of ``stack`` (a job's state when
+    only some blocks have a gradient; ``compute_directions`` writes it back)."""
+    return {k: v[members] for k, v in stack.state.items()}
+
+
 def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],
                      active_members: dict[int, list[int]], distributor: Distributor,
                      param_rows) -> list[tuple[BlockStack, StackStep]]:
@@ -87,7 +93,7 @@ def gather_gradients(layout: Layout, groups: list[dict], steps: list[int],
         group = stack.settings(groups)
         stack.materialize(group)
         full = len(active) == len(stack.members)
-        state = stack.state if full else {k: v[active] for k, v in stack.state.items()}
+        state = stack.state if full else rows_of_state(stack, active)
         l2 = group["weight_decay"] > 0 and group["weight_decay_type"] == "l2"
         grad = distributor.stacked_grads(stack, active)
         if l2:
@@ -165,7 +171,7 @@ def apply_delayed_refreshes(jobs: list[tuple[BlockStack, StackStep]], layout: La
     changed = {id(s) for s in apply_due(layout.owned, groups, steps)}
     for stack, job in jobs:
         if id(stack) in changed and job.state is not stack.state:  # a copy of some rows
-            job.state = {k: v[job.members] for k, v in stack.state.items()}
+            job.state = rows_of_state(stack, job.members)
         if job.refresh_rows and delay_of(job.group):
             job.refresher = refresher
 
