@@ -180,6 +180,24 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             scope=scoped('global'), doc=(
             "how blocks are weighed when spread over ranks: `\"memory\"` (the state bytes the"
             " block's kind keeps) or `\"compute\"` (its kind's flops per step)")),
+    Keyword("apply_precision", "ieee", str, choice("ieee", "tf32"), doc=(
+            "precision of the steady step's products that apply the roots or eigenbases: "
+            "`\"ieee\"` (float32, Meta's) or `\"tf32\"` (their float32 operands rounded "
+            "to TF32's 10-bit mantissa, accumulated in float32: on CUDA torch's TF32 switch "
+            "for those calls, not with `refresh_delay >= 1` there; elsewhere emulated, "
+            "slower, for measuring accuracy). Statistics and refreshes stay float32. "
+            "bfloat16 products: `inv_factor_matrix_dtype=torch.bfloat16`. See "
+            "[performance](performance.md#apply_precision)")),
+    Keyword("stacking", "balanced", str, choice("balanced", "fused"), scope=scoped('layout'),
+            doc=(
+            "how same-shape blocks are batched into stacks (one call per operation and "
+            "stack): `\"balanced\"` cuts each kind of blocks into at least 8 stacks of at "
+            "most 2^24 elements, so that ranks can share a kind's work; `\"fused\"` keeps one "
+            "stack per kind, so a step dispatches the same number of kernels whatever the "
+            "model's depth (fewest launches: for one GPU or few ranks). Either way the cut "
+            "reads only the blocks, never the world size, so every layout and world size "
+            "gives one process's numbers bit for bit; the two settings differ from each other "
+            "by round-off. See [performance](performance.md#stacking)")),
     Keyword("refresh_schedule", "all", str, choice("all", "staggered"), doc=(
             "`\"all\"`: every block refreshes on the same steps; `\"staggered\"`: each block on"
             " its own offset within the `precondition_frequency` window, so no step spikes "

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, delayed_refresh, health, stacking, step
+from . import averaging, delayed_refresh, health, matmul_precision, stacking, step
 from .blocking import ParamBlocking, expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
@@ -100,6 +100,8 @@ class ShampooKeywords(TypedDict, total=False):
     communication_dtype: torch.dtype
     num_trainers_per_group: int
     assignment_cost: str
+    apply_precision: str
+    stacking: str
     refresh_schedule: str
     refresh_delay: int
     iterate_averaging: str | None
@@ -180,6 +182,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         communication_dtype: torch.dtype = torch.float32,
         num_trainers_per_group: int = -1,
         assignment_cost: str = "memory",
+        apply_precision: str = "ieee",
+        stacking: str = "balanced",
         refresh_schedule: str = "all",
         refresh_delay: int = 0,
         iterate_averaging: str | None = None,
@@ -492,6 +496,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         kinds: list[tuple] = []  # per block: what its stack is made of, but the owner
         for block, shape in zip(blocks, shapes):
             group = self.param_groups[block.group_index]
+            matmul_precision.check(group, block.param.device)
             wide = torch.float64 in (block.param.dtype, group["factor_matrix_dtype"])
             work_dtype = torch.float64 if wide else torch.float32
             overrides = self._vector_overrides(group, block.param)
@@ -508,7 +513,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         slots = self._refresh_slots(blocks, shapes, kinds)
         # stacks cut by a rule of the blocks alone: every layout computes each block in
         # the same call beside the same blocks (stacking.py); owners get whole stacks
-        units = stacking.chunks(kinds, shapes)
+        groups = self.param_groups
+        units = stacking.chunks(
+            kinds, shapes, lambda kind: groups[kind[0]]["stacking"] == stacking.FUSED)
         owners = self._distributor.assign(blocks, shapes, costs, slots=slots, units=units)
         stacks = []
         for unit in units:

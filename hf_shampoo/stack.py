@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import averaging, compiled, delayed_refresh, update_rules
+from . import averaging, compiled, delayed_refresh, matmul_precision, update_rules
 from .errors import ShampooNumericalError  # defined there; exported here as well
 from .health import StackHealth
 from .preconditioners import kind_of
@@ -260,11 +260,15 @@ class BlockStack:
         scale = None
         self.health.graft = None
         if not kind.grafted:
-            direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
+            with matmul_precision.applying(group, grad.device):
+                direction = kind.precondition(self, job, filtered, scratch("direction"),
+                                              scratch)
         elif group["grafting"] is not None and len(job.grafting_rows) == grad.shape[0]:
             direction = stages.graft(state, group, step, filtered, scratch("graft"))
         else:
-            direction = kind.precondition(self, job, filtered, scratch("direction"), scratch)
+            with matmul_precision.applying(group, grad.device):
+                direction = kind.precondition(self, job, filtered, scratch("direction"),
+                                              scratch)
             norms: list = []  # the norms grafting takes anyway, kept for metrics()
             scale = stages.apply_grafting(state, group, step, direction, filtered,
                                           job.grafting_rows, scratch("graft"), norms=norms)

@@ -14,13 +14,15 @@ The rule: a kind of ``n`` blocks of ``e`` elements each is cut, in layout order,
 ``min(n, max(MIN_STACKS, ceil(n·e / STACK_ELEMENTS)))`` consecutive stacks whose sizes
 differ by at most one (the larger first). ``MIN_STACKS`` lets a small model's kinds
 spread over several ranks; ``STACK_ELEMENTS`` keeps one call's stack within a size that
-already fills a device, so that a large model's kinds spread over many ranks.
+already fills a device, so that a large model's kinds spread over many ranks. That is
+``stacking="balanced"``; ``stacking="fused"`` keeps each kind in one stack (``FUSED``), so
+the calls a step makes do not grow with the model's depth. Both read only the blocks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 #: every kind is cut into at least this many stacks (fewer only with fewer blocks)
 MIN_STACKS = 8
@@ -28,24 +30,32 @@ MIN_STACKS = 8
 STACK_ELEMENTS = 1 << 24
 
 
-def stack_count(blocks: int, block_elements: int) -> int:
-    """How many stacks ``blocks`` same-kind blocks of ``block_elements`` each are cut into."""
+#: the ``stacking`` keyword's value that keeps each kind in one stack
+FUSED = "fused"
+
+
+def stack_count(blocks: int, block_elements: int, fused: bool = False) -> int:
+    """How many stacks ``blocks`` same-kind blocks of ``block_elements`` each are cut into
+    (one where ``fused``)."""
     if blocks == 0:
         return 0
+    if fused:
+        return 1
     by_size = math.ceil(blocks * max(block_elements, 1) / STACK_ELEMENTS)
     return min(blocks, max(MIN_STACKS, by_size))
 
 
-def chunks(kinds: Sequence[Hashable], shapes: Sequence[tuple[int, ...]]) -> list[list[int]]:
+def chunks(kinds: Sequence[Hashable], shapes: Sequence[tuple[int, ...]],
+           fused: Callable[[Hashable], bool] = lambda kind: False) -> list[list[int]]:
     """The stacks of blocks ``0 .. len(kinds) - 1``, as lists of block indices: each
-    kind's blocks in the given (layout) order, cut by the module's rule; kinds in the order
-    of their first block."""
+    kind's blocks in the given (layout) order, cut by the module's rule (one stack for a
+    kind where ``fused(kind)``); kinds in the order of their first block."""
     by_kind: dict[Hashable, list[int]] = {}
     for index, kind in enumerate(kinds):
         by_kind.setdefault(kind, []).append(index)
     out: list[list[int]] = []
-    for members in by_kind.values():
-        count = stack_count(len(members), math.prod(shapes[members[0]]))
+    for kind, members in by_kind.items():
+        count = stack_count(len(members), math.prod(shapes[members[0]]), fused(kind))
         size, extra = divmod(len(members), count)
         start = 0
         for c in range(count):
