@@ -183,6 +183,13 @@ def draw_calls(case: dict[str, Any]) -> dict[str, Any]:
             "batch_variant": rng.random() < 0.5}
 
 
+def draw_fused(case: dict[str, Any]) -> None:
+    """``stacking="fused"`` (one stack per kind, the keyword) in a quarter of the cases,
+    from a generator of its own so that no other draw changes."""
+    if random.Random("fused:" + repr(case)).random() < 0.25:
+        case["config"]["stacking"] = "fused"
+
+
 @contextmanager
 def drawn_calls(case: dict[str, Any]) -> Iterator[None]:
     """Run a case, its one-process reference and its resumes under its ``stacking``: the
@@ -335,6 +342,7 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
         case.update(draw_pipeline(rng, world, steps, config["kind"]))
         case["config"] = config
         case["stacking"] = draw_calls(case)
+        draw_fused(case)
         return case
     else:
         shapes = [draw_shape(rng) for _ in range(rng.randint(2, 5))]
@@ -356,6 +364,7 @@ def draw_dtensor_case(seed: int, world: int, modules: bool = False) -> dict[str,
     case["no_grad"] = draw_no_grad(rng, count, steps)
     case["config"] = config
     case["stacking"] = draw_calls(case)
+    draw_fused(case)
     return case
 
 
@@ -582,6 +591,7 @@ def draw_ddp_case(rng: random.Random, worlds: tuple[int, ...],
     if rng.random() < checkpoint_rate:
         case["checkpoint"] = draw_checkpoint(rng, world, trainers, steps, worlds)
     case["stacking"] = draw_calls(case)
+    draw_fused(case)
     return case
 
 
@@ -640,4 +650,5 @@ def draw_zero_case(rng: random.Random, worlds: tuple[int, ...]) -> dict[str, Any
                 data_seed=rng.randrange(2**31), flats=flats,
                 calls=rng.choice(["per_group", "all_groups"]))
     case["stacking"] = draw_calls(case)
+    draw_fused(case)
     return case
