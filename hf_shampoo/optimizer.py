@@ -36,6 +36,7 @@ from .config import (
 )
 from .delayed_refresh import Refresher
 from .distributors import Distributor, agreement, make_distributor
+from .distributors.collectives import collective_device
 from .distributors.groups import group_over, ranks_of
 from .distributors.zero import (
     ZeroPartitions,
@@ -570,10 +571,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             return plan.checked()
         plan = plan.with_settings((gi, self._numbers_settings(self.param_groups[gi]))
                                   for gi in plan.groups())
-        group = self._distributor.group
-        process_group = None if group is None else group.process_group
+        process_group = self._distributor.process_group
         agreement.check(plan, group=process_group,
-                        device=agreement.collective_device(self._all_params(), process_group))
+                        device=collective_device(self._all_params(), process_group))
         return plan.checked()
 
     @staticmethod
@@ -944,11 +944,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         fallbacks again from 0."""
         with self._own_view():
             layout = self._ensure_layout()
-            group = self._distributor.group
-            process_group = None if group is None else group.process_group
             device = None
             if dist.is_available() and dist.is_initialized():
-                device = agreement.collective_device(self._all_params(), process_group)
+                device = collective_device(self._all_params(), self._distributor.process_group)
             return health.collect(layout, self.param_groups, self._distributor,
                                   self._health, device)
 
