@@ -415,12 +415,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _param_names(self) -> list[str]:
         """``param_name`` of every parameter, in ``param_index`` order (for errors)."""
-        names = []
-        for gi, group in enumerate(self.param_groups):
-            listed = group.get("param_names")
-            names += [listed[k] if listed else f"group {gi} param {k} (shape {tuple(p.shape)})"
-                      for k, p in enumerate(group["params"])]
-        return names
+        return [self._name_in(gi, k, p) for gi, k, p in self._param_refs()]
 
     def _param_refs(self) -> list[tuple[int, int, Tensor]]:
         """``(group index, position in the group, parameter)`` of every parameter, in the
@@ -431,7 +426,10 @@ class DistributedShampoo(torch.optim.Optimizer):
     def param_name(self, index: int) -> str:
         """The name of parameter ``param_index`` in errors and ``describe()``: its name in
         the group's ``param_names``, else its group, position and shape."""
-        gi, k, param = self._param_refs()[index]
+        return self._name_in(*self._param_refs()[index])
+
+    def _name_in(self, gi: int, k: int, param: Tensor) -> str:
+        """``param_name`` of the ``k``-th parameter of group ``gi``."""
         names = self.param_groups[gi].get("param_names")
         return names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
 

@@ -70,14 +70,15 @@ def local_tensor(tensor: Tensor) -> Tensor:
 
 
 def describe_param(index: int, param: Tensor,
-                   names: Sequence[str] | Mapping[int, str] | None) -> str:
+                   names: Sequence[str] | Mapping[int, str] | None, shape: bool = False) -> str:
     """A parameter in an error: its name (``names`` by position or by ``param_index``),
-    else its index and shape."""
+    else its index; with its shape where it has no name, or where ``shape``."""
     if isinstance(names, Mapping):
         name = names.get(index)
     else:
         name = names[index] if names is not None and index < len(names) else None
-    return repr(name) if name is not None else f"{index} (shape {tuple(param.shape)})"
+    shown = f" (shape {tuple(param.shape)})"
+    return f"{index}{shown}" if name is None else repr(name) + (shown if shape else "")
 
 
 def placement_problem(placements: Sequence) -> str | None:
