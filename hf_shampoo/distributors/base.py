@@ -156,6 +156,7 @@ class Distributor:
         """The process group of ``group``, which every collective over the ranks blocks are
         spread over names (None: the default group, the world; also in one process)."""
         return None if self.group is None else self.group.process_group
+
     def needs_agreement(self) -> bool:
         """Whether the ranks run collectives whose sizes, or whose being called at all,
         their layouts decide, so that every rank of the world must hold the same

@@ -2,7 +2,8 @@
 (``process_group=``, pipeline stages; docs/parallelism.md#pipeline-parallel).
 
 ``RankGroup`` is the ranks of one process group in the group's order (its ``rank`` is this
-process's position there) and that process group (``collectives.any_rank`` ORs a flag over it).
+process's position there) and that process group (``Distributor.process_group``; the
+``collectives`` run over it).
 ``resolve`` turns the constructor's ``process_group`` (a ``ProcessGroup`` or a 1-D
 ``DeviceMesh``) and the parameters into one,
 refusing, with the ranks named, a group that does not contain this rank and DTensor
