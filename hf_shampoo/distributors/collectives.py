@@ -23,8 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["any_rank", "any_rank_each", "collective_device", "gather_padded",
-           "problems_on_any_rank"]
+__all__ = [
+    "any_rank",
+    "any_rank_each",
+    "collective_device",
+    "gather_padded",
+    "problems_on_any_rank",
+]
 
 
 def collective_device(tensors: Iterable[Tensor], group=None) -> torch.device:
@@ -47,12 +52,12 @@ def any_rank_each(flags: Tensor, group=None) -> Tensor:
 
 def any_rank(flag: bool, device: torch.device, group=None) -> bool:
     """``flag`` OR-ed over every rank of ``group``: one tiny ``all_reduce``."""
-    return bool(any_rank_each(torch.tensor([int(flag)], dtype=torch.int32, device=device),
-                              group).item())
+    return bool(
+        any_rank_each(torch.tensor([int(flag)], dtype=torch.int32, device=device), group).item()
+    )
 
 
-def problems_on_any_rank(problems: Sequence[str], device: torch.device,
-                         group=None) -> list[str]:
+def problems_on_any_rank(problems: Sequence[str], device: torch.device, group=None) -> list[str]:
     """Every rank's ``problems`` in rank order (empty on every rank where no rank has one),
     for every rank to raise the same error: one ``all_reduce`` of their count, and one
     ``all_gather_object`` of the lists only where some rank has one. This rank's own where
@@ -68,8 +73,7 @@ def problems_on_any_rank(problems: Sequence[str], device: torch.device,
     return [p for seen in everyone for p in (seen or [])]
 
 
-def gather_padded(values: Tensor, group=None, lengths: Sequence[int] | None = None
-                  ) -> list[Tensor]:
+def gather_padded(values: Tensor, group=None, lengths: Sequence[int] | None = None) -> list[Tensor]:
     """Every rank's 1-D ``values`` (same dtype on every rank, any length), in rank order,
     each cut to its own length: one ``all_gather`` of the lengths (none where ``lengths``,
     every rank's, are known already), one of the tensors padded with zeros to the

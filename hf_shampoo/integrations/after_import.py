@@ -24,8 +24,7 @@ def warn_on_failure(library: str, action: Action, fullname: str, module: Any) ->
     try:
         action(fullname, module)
     except Exception as error:  # noqa: BLE001 - never break an import
-        warnings.warn(f"hf_shampoo: could not register with {library}: {error}",
-                      stacklevel=3)
+        warnings.warn(f"hf_shampoo: could not register with {library}: {error}", stacklevel=3)
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
@@ -33,8 +32,9 @@ class AfterImport(importlib.abc.MetaPathFinder):
     (those ``done`` says need nothing are left alone), and leaves ``sys.meta_path`` once
     every one has had it."""
 
-    def __init__(self, library: str, modules: Collection[str], action: Action,
-                 done: Callable[[str], bool]) -> None:
+    def __init__(
+        self, library: str, modules: Collection[str], action: Action, done: Callable[[str], bool]
+    ) -> None:
         self.library, self.modules, self.action, self.done = library, modules, action, done
         self._ran: set[str] = set()
         self._busy = threading.local()
@@ -43,8 +43,11 @@ class AfterImport(importlib.abc.MetaPathFinder):
         return fullname in self._ran or self.done(fullname)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.modules or self._finished(fullname) or \
-                getattr(self._busy, "on", False):
+        if (
+            fullname not in self.modules
+            or self._finished(fullname)
+            or getattr(self._busy, "on", False)
+        ):
             return None
         self._busy.on = True
         try:
@@ -67,8 +70,12 @@ class AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def on_import(library: str, modules: Collection[str], action: Action,
-              done: Callable[[str], bool] = lambda fullname: False) -> None:
+def on_import(
+    library: str,
+    modules: Collection[str],
+    action: Action,
+    done: Callable[[str], bool] = lambda fullname: False,
+) -> None:
     """Run ``action`` on each of ``library``'s ``modules`` already loaded now, and on the
     others right after they load (one ``AfterImport`` hook per library). Costs nothing
     where the library is not installed."""
@@ -81,6 +88,7 @@ def on_import(library: str, modules: Collection[str], action: Action,
             warn_on_failure(library, action, fullname, module)
         else:
             waiting = True
-    if waiting and not any(isinstance(f, AfterImport) and f.library == library
-                           for f in sys.meta_path):
+    if waiting and not any(
+        isinstance(f, AfterImport) and f.library == library for f in sys.meta_path
+    ):
         sys.meta_path.insert(0, AfterImport(library, modules, action, done))
