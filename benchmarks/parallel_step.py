@@ -161,6 +161,21 @@ def _local_part(whole: torch.Tensor, param) -> torch.Tensor:
     return whole[tuple(slice(a, b) for a, b in box)]
 
 
+def spawn_each(run_rank, names, steps: int, layers: int, world: int, prefix: str
+               ) -> list[tuple[str, list]]:
+    """``run_rank`` on ``world`` gloo ranks once per name (a scheme, a layout), each run with
+    its own rendezvous file in a fresh directory (``prefix``): every rank's result
+    (``<name><rank>.pt`` there), by name."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    rows = []
+    for name in names:
+        mp.spawn(run_rank, args=(name, os.path.join(root, f"init_{name}"), root, steps, layers),
+                 nprocs=world, join=True)
+        rows.append((name, [torch.load(os.path.join(root, f"{name}{r}.pt"))
+                            for r in range(world)]))
+    return rows
+
+
 def main() -> None:
     parser = arguments(__doc__, steps=3)
     parser.add_argument("--schemes", nargs="+", default=["lossless", "full_tensor", "ddp"])
@@ -168,13 +183,8 @@ def main() -> None:
                         help="GPT-2 small's blocks to keep (12: all; the full_tensor scheme "
                              "holds one process's whole state on every rank)")
     args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="hf_shampoo_parallel_step_")
-    rows = []
-    for scheme in args.schemes:
-        mp.spawn(run_rank, args=(scheme, os.path.join(root, f"init_{scheme}"), root,
-                                 args.steps, args.layers), nprocs=WORLD, join=True)
-        got = [torch.load(os.path.join(root, f"{scheme}{r}.pt")) for r in range(WORLD)]
-        rows.append((scheme, got))
+    rows = spawn_each(run_rank, args.schemes, args.steps, args.layers, WORLD,
+                      "hf_shampoo_parallel_step_")
     torch.set_num_threads(1)
     print(f"# Optimizer step on 4 gloo ranks, GPT-2 small's shapes ({args.layers} of 12 "
           f"blocks), dp_shard 2 x tp 2 ({hardware()}, one thread per rank)\n")

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks.common import MIB, arguments, hardware, table_head, table_row
-from benchmarks.parallel_step import CONFIG, named_gpt2, placed, steady_step_times
+from benchmarks.parallel_step import CONFIG, named_gpt2, placed, spawn_each, steady_step_times
 from hf_shampoo import DistributedShampoo
 
 WORLD = 8
@@ -84,13 +82,8 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["pp", "flat"],
                         choices=["pp", "flat"])
     args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="hf_shampoo_pipeline_step_")
-    rows = []
-    for layout in args.layouts:
-        mp.spawn(run_rank, args=(layout, os.path.join(root, f"init_{layout}"), root,
-                                 args.steps, args.layers), nprocs=WORLD, join=True)
-        rows.append((layout, [torch.load(os.path.join(root, f"{layout}{r}.pt"))
-                              for r in range(WORLD)]))
+    rows = spawn_each(run_rank, args.layouts, args.steps, args.layers, WORLD,
+                      "hf_shampoo_pipeline_step_")
     print(f"# Optimizer step on 8 gloo ranks, GPT-2 small's shapes ({args.layers} of 12 "
           f"blocks) ({hardware()}, one thread per rank)\n")
     names = {"pp": "2 stages x (dp_shard 2 x tp 2), one optimizer per stage",

@@ -298,6 +298,21 @@ def _join(common: tuple[Keyword, ...]) -> dict[str, Keyword]:
 
 TABLE: dict[str, Keyword] = _join(COMMON_KEYWORDS)
 DEFAULTS: dict[str, Any] = {name: row.default for name, row in TABLE.items()}
+# AdamW's hyperparameters as the integrations set them over the table's (Meta's) defaults,
+# the one source of them: make_optimizer(defaults="adamw") (grafting, betas,
+# refresh_schedule), the Trainer (weight_decay_type, grafting, refresh_schedule; the rest
+# from TrainingArguments) and timm (all of them; lr, betas and eps as its signature's
+# defaults). Adam grafting with AdamW's betas and epsilon, decoupled weight decay, and
+# staggered refreshes, so that no step waits for every block's refresh at once
+# (docs/hyperparameters.md, docs/performance.md).
+ADAMW_STYLE: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "grafting": "adam",
+    "grafting_epsilon": 1e-8,
+    "weight_decay_type": "decoupled",
+    "refresh_schedule": "staggered",
+}
 # Keywords that describe the whole optimizer, not one group: they must agree across groups.
 GLOBAL_KEYS = tuple(name for name, row in TABLE.items() if "global" in row.scope)
 # Keywords that say how this process runs the step, not what it computes: a checkpoint's

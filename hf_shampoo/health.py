@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .distributors.collectives import gather_padded
 from .linalg import stabilized_eigenvalues
 
 PREFIX = "optimizer/"
@@ -191,34 +192,19 @@ def _reduce_group(distributor):
     are the whole optimizer's (one process, or ranks that each hold everything)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None, False
-    group = getattr(distributor, "group", None)
-    if group is not None:
-        return group.process_group, group.size > 1
+    if distributor.group is not None:
+        return distributor.process_group, distributor.group.size > 1
     return None, distributor.world_size > 1
 
 
 def _gather(values: list[float], conditions: list[float], process_group, device
             ) -> list[tuple[list[float], list[float]]]:
-    """Every rank's ``(values, conditions)``: one all_reduce of the longest list's length,
-    one all_gather of the padded vectors (float64)."""
-    length = torch.tensor([len(conditions)], dtype=torch.int64, device=device)
-    dist.all_reduce(length, op=dist.ReduceOp.MAX, group=process_group)
-    width = len(values) + 1 + int(length.item())
-    mine = torch.full((width,), math.nan, dtype=torch.float64, device=device)
-    mine[:len(values)] = torch.tensor(values, dtype=torch.float64, device=device)
-    mine[len(values)] = len(conditions)
-    if conditions:
-        mine[len(values) + 1:len(values) + 1 + len(conditions)] = torch.tensor(
-            conditions, dtype=torch.float64, device=device)
-    size = dist.get_world_size(process_group)
-    rows = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(rows, mine, group=process_group)
-    gathered = []
-    for row in rows:
-        row = row.cpu().tolist()
-        count = int(row[len(values)])
-        gathered.append((row[:len(values)], row[len(values) + 1:len(values) + 1 + count]))
-    return gathered
+    """Every rank's ``(values, conditions)`` (``values`` of the same length on every
+    rank): both in one float64 vector, gathered at every rank's length
+    (``collectives.gather_padded``)."""
+    mine = torch.tensor(values + conditions, dtype=torch.float64, device=device)
+    return [(row[:len(values)], row[len(values):]) for row in
+            (g.cpu().tolist() for g in gather_padded(mine, process_group))]
 
 
 def collect(layout, groups: list[dict], distributor, step_health: StepHealth,

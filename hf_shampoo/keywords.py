@@ -130,6 +130,16 @@ def dtype_choice(*dtypes: torch.dtype) -> Check:
     return choice(*dtypes)
 
 
+#: the dtypes a keyword may name for the dtype some computation runs in (``working_dtype``)
+WORKING_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def working_dtype(name: str, doc: str, scope: frozenset[str] = frozenset()) -> Keyword:
+    """The row of a keyword naming the dtype some computation runs in: ``None`` (by
+    default: another keyword's dtype, as ``doc`` says) or one of ``WORKING_DTYPES``."""
+    return Keyword(name, None, torch.dtype, choice(None, *WORKING_DTYPES), scope=scope, doc=doc)
+
+
 def scoped(*names: str) -> frozenset[str]:
     """A row's scope: ``"global"``, ``"runtime"``, ``"layout"``."""
     unknown = set(names) - {"global", "runtime", "layout"}

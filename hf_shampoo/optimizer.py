@@ -36,6 +36,7 @@ from .config import (
 )
 from .delayed_refresh import Refresher
 from .distributors import Distributor, agreement, make_distributor
+from .distributors.collectives import collective_device
 from .distributors.groups import group_over, ranks_of
 from .distributors.zero import (
     ZeroPartitions,
@@ -418,12 +419,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _param_names(self) -> list[str]:
         """``param_name`` of every parameter, in ``param_index`` order (for errors)."""
-        names = []
-        for gi, group in enumerate(self.param_groups):
-            listed = group.get("param_names")
-            names += [listed[k] if listed else f"group {gi} param {k} (shape {tuple(p.shape)})"
-                      for k, p in enumerate(group["params"])]
-        return names
+        return [self._name_in(gi, k, p) for gi, k, p in self._param_refs()]
 
     def _param_refs(self) -> list[tuple[int, int, Tensor]]:
         """``(group index, position in the group, parameter)`` of every parameter, in the
@@ -434,7 +430,10 @@ class DistributedShampoo(torch.optim.Optimizer):
     def param_name(self, index: int) -> str:
         """The name of parameter ``param_index`` in errors and ``describe()``: its name in
         the group's ``param_names``, else its group, position and shape."""
-        gi, k, param = self._param_refs()[index]
+        return self._name_in(*self._param_refs()[index])
+
+    def _name_in(self, gi: int, k: int, param: Tensor) -> str:
+        """``param_name`` of the ``k``-th parameter of group ``gi``."""
         names = self.param_groups[gi].get("param_names")
         return names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
 
@@ -577,10 +576,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             return plan.checked()
         plan = plan.with_settings((gi, self._numbers_settings(self.param_groups[gi]))
                                   for gi in plan.groups())
-        group = self._distributor.group
-        process_group = None if group is None else group.process_group
+        process_group = self._distributor.process_group
         agreement.check(plan, group=process_group,
-                        device=agreement.collective_device(self._all_params(), process_group))
+                        device=collective_device(self._all_params(), process_group))
         return plan.checked()
 
     @staticmethod
@@ -951,11 +949,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         fallbacks again from 0."""
         with self._own_view():
             layout = self._ensure_layout()
-            group = self._distributor.group
-            process_group = None if group is None else group.process_group
             device = None
             if dist.is_available() and dist.is_initialized():
-                device = agreement.collective_device(self._all_params(), process_group)
+                device = collective_device(self._all_params(), self._distributor.process_group)
             return health.collect(layout, self.param_groups, self._distributor,
                                   self._health, device)
 

@@ -47,6 +47,19 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator(device=TEST_DEVICE).manual_seed(seed)
 
 
+def train_mse(model, opt, steps: int, seed: int = 0, batch: int = 8, features: int = 6,
+              targets: int = 3) -> None:
+    """``steps`` steps of ``opt`` on ``model``'s mean squared error, each on a random batch
+    (``batch`` rows of ``features`` inputs and ``targets`` outputs) from ``generator(seed)``."""
+    gen = generator(seed)
+    for _ in range(steps):
+        x = torch.randn(batch, features, generator=gen)
+        y = torch.randn(batch, targets, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def random_tensors(shape, count, seed, scale=1.0):
     """``count`` float64 tensors drawn on the CPU and moved to the test device: every
     device sees the numbers the cases were chosen with (CUDA's generator draws others,
@@ -227,6 +240,20 @@ def assert_bitwise(got, expected) -> None:
 # each update to 8 bits of mantissa; with float64 factors the float64 update travels (and
 # is applied) as float32, as under DDP
 ROUNDED_COMMUNICATION = (("bf16_communication", 5e-4), ("compute_cost_f64", 1e-6))
+
+
+def exact_scenarios(scenarios) -> list[str]:
+    """The scenarios whose distributed runs equal one process's bit for bit: all but
+    ``ROUNDED_COMMUNICATION``'s."""
+    return [name for name in scenarios if name not in dict(ROUNDED_COMMUNICATION)]
+
+
+def assert_sharded_ranks_bitwise(rank_results, scenario: str, expected) -> None:
+    """Every rank ran ``scenario`` with the sharded distributor, and its parameters equal
+    ``expected`` (one process's) bit for bit."""
+    for rank_result in rank_results:
+        assert rank_result[scenario]["kind"] == "ShardedDistributor"
+        assert_bitwise(rank_result[scenario]["params"], expected)
 
 
 def assert_rounded_runs_close_and_identical(rank_results, one_process) -> None:

@@ -10,11 +10,9 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,18 +28,9 @@ from hf_shampoo.integrations.accelerate import (
     save_state,
 )
 from hf_shampoo.integrations.modules import make_optimizer
+from tests.helpers import ROOT, free_port
 
 pytestmark = pytest.mark.integrations
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (fixed ports collide with concurrent runs)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():

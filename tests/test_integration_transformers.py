@@ -31,10 +31,9 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations import transformers as hft
 from hf_shampoo.integrations.modules import describe
 from hf_shampoo.integrations.transformers import registration
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integrations
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 VOCAB = 64
@@ -486,24 +485,28 @@ def check_resume(result_path: Path, world_size: int) -> dict:
     return result
 
 
-def test_unmodified_script_single_process_resume(tmp_path):
+def train_and_resume(tmp_path: Path, worker_args: list[str], ranks: int) -> dict:
+    """``WORKER`` under ``hf_shampoo.run`` with ``worker_args`` on ``ranks`` processes
+    (``torch.distributed.run`` for more than one): its run resumed from its checkpoint,
+    checked by ``check_resume``."""
     (tmp_path / "train.py").write_text(WORKER)
-    run([sys.executable, "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                      "--nproc_per_node", str(ranks)]
+    run([sys.executable, *launcher, "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
          "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
-         *WORKER_ARGS])
-    result = check_resume(tmp_path / "result.json", 1)
+         *worker_args])
+    return check_resume(tmp_path / "result.json", ranks)
+
+
+def test_unmodified_script_single_process_resume(tmp_path):
+    result = train_and_resume(tmp_path, WORKER_ARGS, 1)
     losses = result["losses_a"]
     assert losses["8"] < losses["1"]
 
 
 @pytest.mark.slow
 def test_two_ranks_trainer_checkpoint_resumes_exactly(tmp_path):
-    (tmp_path / "train.py").write_text(WORKER)
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
-         "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
-         *WORKER_ARGS])
-    check_resume(tmp_path / "result.json", 2)
+    train_and_resume(tmp_path, WORKER_ARGS, 2)
     # the consolidated file also loads into one process (another world size)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
                                        n_positions=16, bos_token_id=0, eos_token_id=0))

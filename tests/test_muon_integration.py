@@ -4,7 +4,6 @@ unmodified HF script that saves, resumes (bit for bit) and runs under two ranks.
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import pytest
@@ -16,14 +15,12 @@ from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations import transformers as hft
 from hf_shampoo.integrations.modules import WHOLE_MATRIX, describe, describe_rows, make_optimizer
 from tests.test_integration_transformers import (
-    WORKER,
     WORKER_ARGS,
-    check_resume,
     dataset,
     group_of,
-    run,
     shampoo_of,
     tiny_gpt2,
+    train_and_resume,
     training_args,
 )
 
@@ -175,19 +172,10 @@ MUON_ARGS = [a if a != "distributed_shampoo" else "distributed_muon" for a in WO
 
 
 def test_unmodified_script_resumes_muon_exactly(tmp_path):
-    (tmp_path / "train.py").write_text(WORKER)
-    run([sys.executable, "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
-         "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
-         *MUON_ARGS])
-    result = check_resume(tmp_path / "result.json", 1)
+    result = train_and_resume(tmp_path, MUON_ARGS, 1)
     assert result["losses_a"]["8"] < result["losses_a"]["1"]
 
 
 @pytest.mark.slow
 def test_two_ranks_muon_trainer_checkpoint_resumes_exactly(tmp_path):
-    (tmp_path / "train.py").write_text(WORKER)
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "hf_shampoo.run", str(tmp_path / "train.py"),
-         "--result", str(tmp_path / "result.json"), "--output_dir", str(tmp_path / "out"),
-         *MUON_ARGS])
-    check_resume(tmp_path / "result.json", 2)
+    train_and_resume(tmp_path, MUON_ARGS, 2)

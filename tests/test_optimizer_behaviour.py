@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo, ShampooNumericalError
-from tests.helpers import F64, assert_resumes_exactly, generator, random_tensors
+from tests.helpers import F64, assert_resumes_exactly, generator, random_tensors, train_mse
 from tests.reference_shampoo import ReferenceShampoo
 
 pytestmark = [pytest.mark.unit, pytest.mark.device]
@@ -381,13 +381,7 @@ def _partly_frozen_model():
     return model
 
 
-def _train(model, opt, steps, seed=0):
-    gen = generator(seed)
-    for _ in range(steps):
-        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+_train = train_mse
 
 
 def test_frozen_parameters_hold_no_state_and_describe_says_so():

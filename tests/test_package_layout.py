@@ -92,17 +92,20 @@ def test_no_import_circle_in_the_package():
 
 
 def test_distributors_import_only_their_base():
-    """The siblings import the interface (base), the placement facts (placements) and the
-    ranks they spread blocks over (groups); zero.py is the sharded distributor over
+    """The siblings import the interface (base), the placement facts (placements), the
+    ranks they spread blocks over (groups) and the collectives by which ranks agree
+    (collectives, which imports none of them); zero.py is the sharded distributor over
     DeepSpeed's partitions, so it adds sharded, and local.py (fsdp_mode="local") is one
     process per shard, so it adds single; agreement.py (ranks hold the same parameters)
     reads placements only, groups.py too."""
     graph = import_graph()
+    collectives = {"hf_shampoo.distributors.collectives"}
     shared = {"hf_shampoo.distributors.base", "hf_shampoo.distributors.placements",
-              "hf_shampoo.distributors.groups"}
-    allowed = {"single": shared, "ddp": shared, "sharded": shared, "placements": set(),
-               "agreement": {"hf_shampoo.distributors.placements"},
-               "groups": {"hf_shampoo.distributors.placements"},
+              "hf_shampoo.distributors.groups"} | collectives
+    allowed = {"single": shared, "ddp": shared, "sharded": shared, "placements": collectives,
+               "collectives": set(),
+               "agreement": {"hf_shampoo.distributors.placements"} | collectives,
+               "groups": {"hf_shampoo.distributors.placements"} | collectives,
                "zero": shared | {"hf_shampoo.distributors.sharded"},
                "local": shared | {"hf_shampoo.distributors.single"}}
     for sibling, may in allowed.items():

@@ -19,19 +19,14 @@ import torch.multiprocessing as mp
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.checkpoint import consolidate_checkpoint
 from tests import distributed_worker as ddp_worker
+from tests import helpers
 from tests import parallel_worker as worker
-from tests.helpers import (
-    ROUNDED_COMMUNICATION,
-    assert_bitwise,
-    assert_rounded_runs_close_and_identical,
-    one_thread_per_process,
-)
 
 pytestmark = pytest.mark.distributed
 
 torch.set_num_threads(1)
 
-EXACT = [n for n in worker.SCENARIOS if n not in dict(ROUNDED_COMMUNICATION)]
+EXACT = helpers.exact_scenarios(worker.SCENARIOS)
 # every kind under TP alone and under FSDP2 x TP; a spread of kinds on the other meshes
 FEW = ["shampoo_adam", "muon", "schedule_free_soap", "diagonal_adam", "eigen_qr_4bit",
        "sign_descent_l1", "bf16_communication"]
@@ -50,7 +45,7 @@ SCENARIOS_OF = {layout: scenarios for layout, scenarios, _ in CHAIN}
 def runs():
     root = tempfile.mkdtemp(prefix="hf_shampoo_tp_")
     out = {}
-    with one_thread_per_process():
+    with helpers.one_thread_per_process():
         for layout, scenarios, resume in CHAIN:
             out_dir = os.path.join(root, layout)
             os.makedirs(out_dir)
@@ -81,15 +76,13 @@ def test_placement_boxes_are_where_torch_puts_the_local_shards(runs, layout):
 
 @pytest.mark.parametrize(("layout", "scenario"), CASES)
 def test_bit_identical_to_one_process(runs, layout, scenario):
-    expected = worker.train_one_process(worker.SCENARIOS[scenario])
-    for rank_result in runs[layout]:
-        assert rank_result[scenario]["kind"] == "ShardedDistributor"
-        assert_bitwise(rank_result[scenario]["params"], expected)
+    helpers.assert_sharded_ranks_bitwise(runs[layout], scenario,
+                                         worker.train_one_process(worker.SCENARIOS[scenario]))
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "tp2"])
 def test_rounded_communication_close_and_identical_across_ranks(runs, layout):
-    assert_rounded_runs_close_and_identical(
+    helpers.assert_rounded_runs_close_and_identical(
         runs[layout], lambda scenario: worker.train_one_process(worker.SCENARIOS[scenario]))
 
 
@@ -138,7 +131,7 @@ def test_bytes_sent_are_those_the_layout_plans(runs, layout):
 def test_checkpoint_resumes_under_another_mesh(runs, layout, name):
     expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
     for rank_result in runs[layout]:
-        assert_bitwise(rank_result[f"resumed_{name}"], expected)
+        helpers.assert_bitwise(rank_result[f"resumed_{name}"], expected)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "tp2"])
@@ -154,8 +147,8 @@ def test_one_process_resumes_the_consolidated_checkpoint(runs, layout, tmp_path)
         for p, g in zip(params, worker.sharded_worker.full_grads(step, worker.SHAPES)):
             p.grad = g
         opt.step()
-    assert_bitwise([p.detach() for p in params],
-                    worker.train_one_process(config, steps=6))
+    helpers.assert_bitwise([p.detach() for p in params],
+                           worker.train_one_process(config, steps=6))
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "hsdp_tp", "cp_tp", "tp2"])
@@ -163,11 +156,11 @@ def test_parallelize_module_and_fully_shard_with_backward(runs, layout):
     results = [r["model"] for r in runs[layout]]
     for r in results:
         assert r["kind"] == "ShardedDistributor"
-        assert_bitwise(r["params"], results[0]["params"])
+        helpers.assert_bitwise(r["params"], results[0]["params"])
     assert any("Shard(dim=1)" in p for p in results[0]["placements"])  # rowwise weight
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    assert_bitwise([p.detach() for p in model.parameters()], results[0]["initial"])
+    helpers.assert_bitwise([p.detach() for p in model.parameters()], results[0]["initial"])
     opt = DistributedShampoo(model.parameters(), **ddp_worker.WRAPPED_CONFIG)
     replicas = results[0]["replicas"]
     data = torch.Generator().manual_seed(7)

@@ -18,9 +18,10 @@ import torch.multiprocessing as mp
 from hf_shampoo import DistributedShampoo
 from tests import sharded_worker as worker
 from tests.helpers import (
-    ROUNDED_COMMUNICATION,
     assert_bitwise,
     assert_rounded_runs_close_and_identical,
+    assert_sharded_ranks_bitwise,
+    exact_scenarios,
     one_thread_per_process,
 )
 
@@ -54,16 +55,14 @@ def runs():
 
 
 
-EXACT = [n for n in worker.SCENARIOS if n not in dict(ROUNDED_COMMUNICATION)]
+EXACT = exact_scenarios(worker.SCENARIOS)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("scenario", EXACT)
 def test_bit_identical_to_one_process(runs, mesh, scenario):
-    expected = worker.train_one_process(worker.SCENARIOS[scenario])
-    for rank_result in runs[mesh]:
-        assert rank_result[scenario]["kind"] == "ShardedDistributor"
-        assert_bitwise(rank_result[scenario]["params"], expected)
+    assert_sharded_ranks_bitwise(runs[mesh], scenario,
+                                 worker.train_one_process(worker.SCENARIOS[scenario]))
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -95,12 +94,18 @@ def test_every_rank_moves_some_bytes_and_only_rows_it_lacks(runs, mesh):
         assert 0 < sent_and_received < 2 * 4 * numel
 
 
+def _every_rank_as_one_process(runs, mesh: str, result: str, name: str) -> None:
+    """Every rank's ``result`` of scenario ``name`` equals six steps of one process, bit for
+    bit."""
+    expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
+    for rank_result in runs[mesh]:
+        assert_bitwise(rank_result[f"{result}_{name}"], expected)
+
+
 @pytest.mark.parametrize("name", worker.CHECKPOINTED)
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_saving_through_dcp_helpers_does_not_change_the_trajectory(runs, mesh, name):
-    expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
-    for rank_result in runs[mesh]:
-        assert_bitwise(rank_result[f"dcp_uninterrupted_{name}"], expected)
+    _every_rank_as_one_process(runs, mesh, "dcp_uninterrupted", name)
     keys = [set(r[f"saved_keys_{name}"]) for r in runs[mesh]]
     assert set().union(*keys) == {f"p{i}" for i in range(len(worker.SHAPES))}
 
@@ -108,17 +113,13 @@ def test_saving_through_dcp_helpers_does_not_change_the_trajectory(runs, mesh, n
 @pytest.mark.parametrize("name", worker.CHECKPOINTED)
 @pytest.mark.parametrize("mesh", ["w3", "hsdp"])
 def test_sharded_checkpoint_resumes_at_another_world_size(runs, mesh, name):
-    expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
-    for rank_result in runs[mesh]:
-        assert_bitwise(rank_result[f"dcp_resumed_{name}"], expected)
+    _every_rank_as_one_process(runs, mesh, "dcp_resumed", name)
 
 
 @pytest.mark.parametrize("name", worker.CHECKPOINTED)
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_full_state_dict_after_consolidation_round_trips(runs, mesh, name):
-    expected = worker.train_one_process(worker.SCENARIOS[name], steps=6)
-    for rank_result in runs[mesh]:
-        assert_bitwise(rank_result[f"full_resumed_{name}"], expected)
+    _every_rank_as_one_process(runs, mesh, "full_resumed", name)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

@@ -14,7 +14,7 @@ import torch
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.preconditioners import KINDS, QUANTIZED_KINDS
-from tests.helpers import generator
+from tests.helpers import generator, train_mse
 
 pytestmark = pytest.mark.reference
 
@@ -27,12 +27,7 @@ def _model():
 
 
 def _train(model, opt, steps, seed):
-    gen = generator(seed)
-    for _ in range(steps):
-        x, y = torch.randn(6, 5, generator=gen), torch.randn(6, 3, generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train_mse(model, opt, steps, seed, batch=6, features=5)
 
 
 def _pickled(obj):

@@ -46,6 +46,12 @@ def compare(shampoo_kwargs, torch_factory, lrs=None):
             )
 
 
+def grafted(method, lr, **keywords):
+    """The keywords of a run whose direction is the grafting ``method``'s alone: no
+    momentum of Shampoo's own (``betas=(0, 1)``)."""
+    return {"lr": lr, "betas": (0.0, 1.0), "grafting": method, **keywords}
+
+
 @pytest.mark.parametrize("grafting", [None, "sgd"])
 @pytest.mark.parametrize(
     ("momentum", "nesterov", "weight_decay"),
@@ -53,15 +59,8 @@ def compare(shampoo_kwargs, torch_factory, lrs=None):
 )
 def test_sgd(grafting, momentum, nesterov, weight_decay):
     compare(
-        {
-            "lr": 0.1,
-            "betas": (0.0, 1.0),
-            "grafting": grafting,
-            "momentum": momentum,
-            "nesterov": nesterov,
-            "weight_decay": weight_decay,
-            "weight_decay_type": "l2",
-        },
+        grafted(grafting, 0.1, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                weight_decay_type="l2"),
         lambda ps: torch.optim.SGD(
             ps, lr=0.1, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay
         ),
@@ -71,14 +70,8 @@ def test_sgd(grafting, momentum, nesterov, weight_decay):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_adagrad(weight_decay):
     compare(
-        {
-            "lr": 0.2,
-            "betas": (0.0, 1.0),
-            "grafting": "adagrad",
-            "grafting_epsilon": 1e-3,
-            "weight_decay": weight_decay,
-            "weight_decay_type": "l2",
-        },
+        grafted("adagrad", 0.2, grafting_epsilon=1e-3, weight_decay=weight_decay,
+                weight_decay_type="l2"),
         lambda ps: torch.optim.Adagrad(ps, lr=0.2, eps=1e-3, weight_decay=weight_decay),
     )
 
@@ -86,14 +79,7 @@ def test_adagrad(weight_decay):
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_rmsprop(momentum):
     compare(
-        {
-            "lr": 0.01,
-            "betas": (0.0, 1.0),
-            "grafting": "rmsprop",
-            "grafting_beta2": 0.9,
-            "grafting_epsilon": 1e-4,
-            "momentum": momentum,
-        },
+        grafted("rmsprop", 0.01, grafting_beta2=0.9, grafting_epsilon=1e-4, momentum=momentum),
         lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9, eps=1e-4, momentum=momentum),
     )
 
@@ -112,47 +98,25 @@ def test_adam(betas):
     )
 
 
+#: Adam grafting with beta1 as momentum, as torch's Adam / AdamW with betas (0.9, 0.99)
+ADAM_GRAFTED = {"lr": 0.05, "betas": (0.9, 1.0), "grafting": "adam", "grafting_beta2": 0.99}
+
+
 def test_adam_l2_weight_decay():
     compare(
-        {
-            "lr": 0.05,
-            "betas": (0.9, 1.0),
-            "grafting": "adam",
-            "grafting_beta2": 0.99,
-            "weight_decay": 0.1,
-            "weight_decay_type": "l2",
-        },
+        {**ADAM_GRAFTED, "weight_decay": 0.1, "weight_decay_type": "l2"},
         lambda ps: torch.optim.Adam(ps, lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
     )
 
 
-def test_adamw_decoupled_weight_decay():
-    compare(
-        {
-            "lr": 0.05,
-            "betas": (0.9, 1.0),
-            "grafting": "adam",
-            "grafting_beta2": 0.99,
-            "weight_decay": 0.3,
-            "weight_decay_type": "decoupled",
-        },
-        lambda ps: torch.optim.AdamW(ps, lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.3),
-    )
-
-
-def test_adamw_with_lr_schedule():
+@pytest.mark.parametrize("lrs", [None, [0.05, 0.04, 0.02, 0.1, 0.01, 0.03]],
+                         ids=["constant_lr", "lr_schedule"])
+def test_adamw_decoupled_weight_decay(lrs):
     """'decoupled' multiplies wd by the current lr, like AdamW, also after the lr changed."""
     compare(
-        {
-            "lr": 0.05,
-            "betas": (0.9, 1.0),
-            "grafting": "adam",
-            "grafting_beta2": 0.99,
-            "weight_decay": 0.3,
-            "weight_decay_type": "decoupled",
-        },
+        {**ADAM_GRAFTED, "weight_decay": 0.3, "weight_decay_type": "decoupled"},
         lambda ps: torch.optim.AdamW(ps, lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.3),
-        lrs=[0.05, 0.04, 0.02, 0.1, 0.01, 0.03],
+        lrs=lrs,
     )
 
 

@@ -8,7 +8,7 @@ import torch
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations.modules import describe_rows
-from tests.helpers import assert_resumes_exactly, generator
+from tests.helpers import assert_resumes_exactly, train_mse
 
 pytestmark = pytest.mark.unit
 
@@ -20,12 +20,7 @@ def _model():
 
 
 def _train(model, opt, steps=6, seed=0):
-    gen = generator(seed)
-    for _ in range(steps):
-        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train_mse(model, opt, steps, seed)
 
 
 @pytest.mark.parametrize("config", [

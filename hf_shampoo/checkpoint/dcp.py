@@ -63,18 +63,11 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _group_of(optimizer):
-    """The process group of the ranks the optimizer spreads its blocks over (None: the
-    world): a pipeline stage writes and reads its own checkpoint."""
-    group = getattr(optimizer.distributor, "group", None)
-    return None if group is None else group.process_group
-
-
 def save_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
     """Every rank of the optimizer's group writes its own blocks into ``checkpoint_dir``
     (a collective over that group: each pipeline stage into a directory of its own)."""
     dcp.save(flatten(optimizer.local_state_dict()), checkpoint_id=os.fspath(checkpoint_dir),
-             process_group=_group_of(optimizer))
+             process_group=optimizer.distributor.process_group)
 
 
 def _read(checkpoint_dir: str | os.PathLike, template: dict[str, Any], group=None) -> None:
@@ -98,7 +91,7 @@ def load_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
         meta = saved.get(flat_key)
         if meta is not None:
             template[flat_key] = torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
-    _read(checkpoint_dir, template, _group_of(optimizer))
+    _read(checkpoint_dir, template, optimizer.distributor.process_group)
     optimizer.load_state_dict(unflatten(template))
 
 

@@ -48,9 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .placements import STAGES, is_dtensor
+from .collectives import gather_padded
+from .placements import STAGES, is_dtensor, spans_group
 
-__all__ = ["Plan", "check", "collective_device", "param_key", "setting"]
+__all__ = ["Plan", "check", "param_key", "setting"]
 
 #: bytes of a rank's plan sent when ranks differ; the parameters beyond are left out
 PAYLOAD_LIMIT = 1 << 18
@@ -67,9 +68,8 @@ def param_key(param: Tensor, world: int | Sequence[int]) -> list:
     key: list = [list(param.shape), str(param.dtype).removeprefix("torch.")]
     if is_dtensor(param):
         ranks = param.device_mesh.mesh
-        spans = ranks.numel() == world if isinstance(world, int) else \
-            set(ranks.flatten().tolist()) == set(world)
-        mesh = ranks.flatten().tolist() if spans else {"sub-mesh": list(ranks.shape)}
+        mesh = ranks.flatten().tolist() if spans_group(param, world) else \
+            {"sub-mesh": list(ranks.shape)}
         key += [mesh, [repr(p) for p in param.placements]]
     return key
 
@@ -127,17 +127,6 @@ class Plan:
         return sorted({block[1] for entry in self.entries for block in entry["blocks"]})
 
 
-def collective_device(params: Sequence[Tensor], group=None) -> torch.device:
-    """Where the check's tensors live: the parameters' device (the one the distributor's
-    own collectives use), else the current GPU under NCCL, else the CPU."""
-    for param in params:
-        if param.device.type != "meta":
-            return param.device
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _keys(entries: Sequence[dict]) -> list:
     return [[e["index"], e["param"], e["blocks"]] for e in entries]
 
@@ -180,13 +169,9 @@ def check(plan: Plan, group=None, device: torch.device | None = None) -> None:
     if all(row[:1] + row[2:] == table[0][:1] + table[0][2:] for row in table):
         return
     # they differ: every rank learns every plan (the same size everywhere: the longest)
-    longest = max(row[1] for row in table)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    plans = [json.loads(bytes(g[: row[1]].cpu().tolist()).decode())
-             for g, row in zip(gathered, table)]
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    gathered = gather_padded(mine, group, lengths=[row[1] for row in table])
+    plans = [json.loads(bytes(g.cpu().tolist()).decode()) for g in gathered]
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     raise ValueError(message(plans, [row[:1] + row[2:] for row in table], ranks,
                              dist.get_rank()))

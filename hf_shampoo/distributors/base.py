@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 
@@ -151,6 +150,13 @@ class Distributor:
     #: the world, or ``process_group=``'s / the parameters' meshes' ranks); None in one
     #: process. The agreement check and ``any_rank`` run over it
     group = None
+
+    @property
+    def process_group(self):
+        """The process group of ``group``, which every collective over the ranks blocks are
+        spread over names (None: the default group, the world; also in one process)."""
+        return None if self.group is None else self.group.process_group
+
     def needs_agreement(self) -> bool:
         """Whether the ranks run collectives whose sizes, or whose being called at all,
         their layouts decide, so that every rank of the world must hold the same
@@ -250,15 +256,6 @@ class Distributor:
         """Whether ``flag`` holds on any rank (a collective where ranks share blocks; the
         rank's own flag where they never wait for each other)."""
         return flag
-
-
-def world_any(flag: bool, device: torch.device, group=None) -> bool:
-    """``flag`` OR-ed over every rank of ``group`` (a ``groups.RankGroup``; None: the default
-    group), one tiny ``all_reduce``."""
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX,
-                    group=None if group is None else group.process_group)
-    return bool(value.item())
 
 
 def _active_members(stack) -> list[int]:

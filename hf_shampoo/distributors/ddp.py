@@ -28,8 +28,8 @@ from .base import (
     refresh_work,
     single_units,
     staggered_units,
-    world_any,
 )
+from .collectives import any_rank, collective_device
 from .groups import RankGroup
 
 
@@ -54,14 +54,14 @@ class DataParallelDistributor(Distributor):
                 f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} must "
                 f"divide the {where} {world} (or be -1 for the whole group)"
             )
-        self.process_group = None  # the trainer group's process group (None: the world's)
+        self.trainer_group = None  # the trainer group's process group (None: the world's)
         if size != world:
             if group.is_world:
                 # every rank must create every subgroup, in the same order
                 for start in range(0, world, size):
                     subgroup = dist.new_group(list(range(start, start + size)))
                     if start <= position < start + size:
-                        self.process_group = subgroup
+                        self.trainer_group = subgroup
             else:
                 raise ValueError(
                     f"DistributedShampoo: num_trainers_per_group={num_trainers_per_group} with "
@@ -70,7 +70,7 @@ class DataParallelDistributor(Distributor):
                     "its ranks). Creating groups of some ranks only would shift torch's "
                     "numbering of the groups created later by every rank (a hang)")
         elif not group.is_world:
-            self.process_group = group.process_group
+            self.trainer_group = group.process_group
         self.rank = position % size
         self.world_size = size
         self.is_sharded_state = size > 1
@@ -133,8 +133,8 @@ class DataParallelDistributor(Distributor):
             )
 
     def any_rank(self, flag: bool) -> bool:
-        device = self.buffer.device if self.buffer is not None else torch.device("cpu")
-        return world_any(flag, device, self.group)
+        buffers = [self.buffer] if self.buffer is not None else []
+        return any_rank(flag, collective_device(buffers, self.process_group), self.process_group)
 
     def finish_step(self, layout, active: dict[int, list[int]]) -> None:
         """One all-gather of the flat direction buffer (every owner's slice to every rank
@@ -144,5 +144,5 @@ class DataParallelDistributor(Distributor):
             local = self.buffer[self.rank * self.segment : (self.rank + 1) * self.segment]
             # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.14)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(self.buffer, local, group=self.process_group)
+            gather(self.buffer, local, group=self.trainer_group)
         apply_directions(layout, active, self.local)

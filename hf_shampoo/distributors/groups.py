@@ -2,7 +2,8 @@
 (``process_group=``, pipeline stages; docs/parallelism.md#pipeline-parallel).
 
 ``RankGroup`` is the ranks of one process group in the group's order (its ``rank`` is this
-process's position there) and that process group (``base.world_any`` ORs a flag over it).
+process's position there) and that process group (``Distributor.process_group``; the
+``collectives`` run over it).
 ``resolve`` turns the constructor's ``process_group`` (a ``ProcessGroup`` or a 1-D
 ``DeviceMesh``) and the parameters into one,
 refusing, with the ranks named, a group that does not contain this rank and DTensor
@@ -25,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from .placements import is_dtensor
+from .placements import describe_param, is_dtensor
 
 __all__ = ["RankGroup", "group_over", "ranks_of", "resolve"]
 
@@ -241,9 +242,9 @@ def resolve(process_group: Any, params: Sequence[Tensor],
     for index, param in meshes:
         outside = sorted(set(mesh_ranks(param)) - inside)
         if outside:
-            name = repr(names[index]) if names else f"{index}"
+            where = describe_param(index, param, names, shape=True)
             raise ValueError(
-                f"DistributedShampoo: parameter {name} (shape {tuple(param.shape)}) lives on "
+                f"DistributedShampoo: parameter {where} lives on "
                 f"a mesh of ranks {list(mesh_ranks(param))}, which reaches ranks {outside} "
                 f"outside process_group ({group.describe()}); the group must hold every "
                 "rank of its parameters' meshes (or leave process_group out: DTensor "

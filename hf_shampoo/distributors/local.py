@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import OTHER_RANK, world_any
+from .base import OTHER_RANK
+from .collectives import any_rank, collective_device
 from .groups import RankGroup
 from .placements import is_dtensor, local_tensor
 from .single import SingleProcessDistributor
@@ -79,7 +79,7 @@ class LocalShardDistributor(SingleProcessDistributor):
         ``all_reduce`` of one flag, only with ``check_finite``): ranks hold different
         shards, and their blocks differ, so the ranks without it report ``OTHER_RANK``."""
         active, bad = super().active_members(stacks, check_finite)
-        device = stacks[0].device if stacks else torch.device("cpu")
-        if check_finite and world_any(bool(bad), device, self.group) and not bad:
+        device = stacks[0].device if stacks else collective_device((), self.process_group)
+        if check_finite and any_rank(bool(bad), device, self.process_group) and not bad:
             bad = [OTHER_RANK]
         return active, bad

@@ -25,9 +25,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .collectives import collective_device, problems_on_any_rank
 
 #: ``[lo, hi)`` per dim of the full parameter
 Box = tuple[tuple[int, int], ...]
@@ -69,14 +70,15 @@ def local_tensor(tensor: Tensor) -> Tensor:
 
 
 def describe_param(index: int, param: Tensor,
-                   names: Sequence[str] | Mapping[int, str] | None) -> str:
+                   names: Sequence[str] | Mapping[int, str] | None, shape: bool = False) -> str:
     """A parameter in an error: its name (``names`` by position or by ``param_index``),
-    else its index and shape."""
+    else its index; with its shape where it has no name, or where ``shape``."""
     if isinstance(names, Mapping):
         name = names.get(index)
     else:
         name = names[index] if names is not None and index < len(names) else None
-    return repr(name) if name is not None else f"{index} (shape {tuple(param.shape)})"
+    shown = f" (shape {tuple(param.shape)})"
+    return f"{index}{shown}" if name is None else repr(name) + (shown if shape else "")
 
 
 def placement_problem(placements: Sequence) -> str | None:
@@ -214,15 +216,21 @@ def _ranks(world: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(range(world)) if isinstance(world, int) else tuple(world)
 
 
+def spans_group(param: Tensor, world: int | Sequence[int]) -> bool:
+    """Whether the DTensor ``param``'s mesh spans the group (``world``: its size, the
+    world's, or its global ranks): as many ranks as the world, or the group's very
+    ranks."""
+    ranks = param.device_mesh.mesh
+    if isinstance(world, int):
+        return ranks.numel() == world
+    return set(ranks.flatten().tolist()) == set(world)
+
+
 def on_sub_mesh(param: Tensor, world: int | Sequence[int]) -> bool:
     """Whether ``param`` is a DTensor on a mesh smaller than the group (``world``: its size,
     the world's, or its global ranks): ``holdings`` then needs every rank's view of it (a
     collective)."""
-    if not is_dtensor(param):
-        return False
-    if isinstance(world, int):
-        return param.device_mesh.mesh.numel() != world
-    return set(param.device_mesh.mesh.flatten().tolist()) != set(world)
+    return is_dtensor(param) and not spans_group(param, world)
 
 
 def holdings(params: dict[int, Tensor], world: int | Sequence[int],
@@ -305,24 +313,15 @@ def _agree_on_problems(problems: list[str], params: dict[int, Tensor], world: in
                        group=None) -> None:
     """Raise on every rank when any rank found its shard elsewhere than its placements
     say: one tiny ``all_reduce`` (every rank reaches it, at layout time), then the ranks'
-    reasons, so that no rank goes on into a collective the others left."""
-    if not dist.is_initialized() or world == 1:
-        if problems:
-            raise ValueError(f"DistributedShampoo: {problems[0]}. {SUPPORTED}")
-        return
-    device = next((local_tensor(p).device for p in params.values()), None)
-    if device is None or device.type == "meta":
-        device = torch.device("cpu")
-    flag = torch.tensor([len(problems)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag.item()) == 0:
-        return
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, problems, group=group)
-    found = [p for seen in everyone for p in (seen or [])]
-    raise ValueError(f"DistributedShampoo: {found[0]}"
-                     + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
-                     + f". {SUPPORTED}")
+    reasons (``collectives.problems_on_any_rank``), so that no rank goes on into a
+    collective the others left."""
+    if world > 1:
+        device = collective_device((local_tensor(p) for p in params.values()), group)
+        problems = problems_on_any_rank(problems, device, group)
+    if problems:
+        raise ValueError(f"DistributedShampoo: {problems[0]}"
+                         + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                         + f". {SUPPORTED}")
 
 
 @dataclass(frozen=True)

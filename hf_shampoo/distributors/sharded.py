@@ -45,8 +45,8 @@ from .base import (
     params_with_gradients,
     single_units,
     stack_buffer,
-    world_any,
 )
+from .collectives import any_rank, any_rank_each, collective_device
 from .groups import RankGroup
 from .placements import (
     Box,
@@ -163,7 +163,7 @@ class ShardedDistributor(Distributor):
             self.rank = dist.get_rank() if rank is None else rank
         self.own_boxes = boxes_of is None  # placements.holdings: sub-meshes gather
         self.boxes_of = boxes_of or (lambda params, names: holdings(
-            params, self.group.ranks, names, self.group.process_group))
+            params, self.group.ranks, names, self.process_group))
         self.signature = signature
         self.assignment_cost = assignment_cost
         self.balance_slack = balance_slack
@@ -380,7 +380,7 @@ class ShardedDistributor(Distributor):
             if placed is not None:
                 self.placed_grads[id(param)] = placed
         has_grad, bad = _flags_on_every_rank(params, check_finite, self.has_grad,
-                                             self.grad_elements, self._process_group())
+                                             self.grad_elements, self.process_group)
         return ({id(stack): [m for m, b in enumerate(stack.members) if b.param_index in has_grad]
                  for stack in stacks}, bad)
 
@@ -442,11 +442,7 @@ class ShardedDistributor(Distributor):
         self.placed_grads = {}  # read into the owners' buffers: not kept past the step
 
     def any_rank(self, flag: bool) -> bool:
-        return world_any(flag, self._device, self.group)
-
-    def _process_group(self):
-        """The process group of this distributor's collectives (None: the world's)."""
-        return self.group.process_group if self.group is not None else None
+        return any_rank(flag, self._device, self.process_group)
 
     def stacked_grads(self, stack, active: list[int]) -> Tensor:
         buffer = stack.gathered_grad
@@ -509,7 +505,7 @@ class ShardedDistributor(Distributor):
         out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
         self.bytes_last_step += (buffer.numel() + out.numel()) * dtype.itemsize
         dist.all_to_all_single(out, buffer, recv_sizes, send_sizes,
-                               group=self._process_group())
+                               group=self.process_group)
         return list(out.split(recv_sizes))
 
 
@@ -534,7 +530,7 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
     parameter, one host synchronisation (and a second exact look, only where a shard's
     norm was not finite)."""
     order = list(params)
-    device = next(iter(params.values())).device if params else torch.device("cpu")
+    device = collective_device(params.values(), group)
     flags = torch.zeros((2, len(order)), dtype=torch.int32, device=device)
     present = [has(params[i]) for i in order]
     flags[0] = torch.tensor(present, dtype=torch.int32, device=device)
@@ -543,8 +539,7 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
     if shards:
         bad = maybe_nonfinite(shards)
         flags[1, torch.tensor(with_grad, device=device)] = bad.to(torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    has_grad, nonfinite = flags.tolist()
+    has_grad, nonfinite = any_rank_each(flags, group).tolist()
     if any(nonfinite):
         # rare (a nan, an inf, or a norm that overflowed): every rank got the same flags,
         # so all look again, element by element, and agree in a second all_reduce
@@ -553,8 +548,7 @@ def _flags_on_every_rank(params: dict[int, Tensor], check_finite: bool,
         if with_grad:
             exact[torch.tensor(with_grad, device=device)] = torch.tensor(
                 confirmed_nonfinite(shards, suspects), dtype=torch.int32, device=device)
-        dist.all_reduce(exact, op=dist.ReduceOp.MAX, group=group)
-        nonfinite = exact.tolist()
+        nonfinite = any_rank_each(exact, group).tolist()
     return ({i for i, f in zip(order, has_grad) if f},
             [i for i, f in zip(order, nonfinite) if f])
 

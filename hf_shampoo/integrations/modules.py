@@ -52,7 +52,14 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..blocking import expert_shape, merged_shape
-from ..config import DEFAULTS, GLOBAL_KEYS, diagonal_dims, did_you_mean, validate_group
+from ..config import (
+    ADAMW_STYLE,
+    DEFAULTS,
+    GLOBAL_KEYS,
+    diagonal_dims,
+    did_you_mean,
+    validate_group,
+)
 from ..optimizer import DistributedShampoo, ShampooKeywords
 from ..preconditioners import KINDS
 
@@ -551,8 +558,8 @@ def param_groups(
 # AdamW's learning rate works (docs/hyperparameters.md; benchmarks/digits_defaults.py), and
 # so that no step waits for every block's refresh at once: the staggered schedule spreads
 # the refreshes over the precondition_frequency window (docs/performance.md)
-ADAMW_DEFAULTS: dict[str, Any] = {"grafting": "adam", "betas": (0.9, 0.999),
-                                  "refresh_schedule": "staggered"}
+ADAMW_DEFAULTS: dict[str, Any] = {key: ADAMW_STYLE[key]
+                                  for key in ("grafting", "betas", "refresh_schedule")}
 
 
 # make_optimizer(memory=...): how the large Kronecker factors of the whole model are stored

@@ -17,16 +17,17 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
-import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
 
+from ..config import ADAMW_STYLE
 from ..optimizer import DistributedShampoo
 from ..optional import require
 from ..preconditioners import KINDS
+from .after_import import on_import
 
 # timm keeps only the part of `opt` after its last underscore ("lookahead_shampoo" is
 # Lookahead around "shampoo"), so these names must not contain one.
@@ -37,9 +38,9 @@ _FACTORY_MODULE = "timm.optim._optim_factory"
 
 # AdamW's defaults in torch and timm; the migration keeps them (docs/hyperparameters.md,
 # "Migrating from AdamW").
-ADAMW_LR = 1e-3
-ADAMW_BETAS = (0.9, 0.999)
-ADAMW_EPS = 1e-8
+ADAMW_LR = ADAMW_STYLE["lr"]
+ADAMW_BETAS = ADAMW_STYLE["betas"]
+ADAMW_EPS = ADAMW_STYLE["grafting_epsilon"]
 
 
 # ---------------------------------------------------------------------- classes
@@ -71,6 +72,16 @@ class _TimmOptimizer(DistributedShampoo):
     def _defaults(betas: tuple, eps: float | None, kwargs: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def _adamw_defaults(betas: tuple, eps: float, kwargs: dict[str, Any]) -> None:
+        """What every name sets alike (``config.ADAMW_STYLE``): the grafting method's
+        second moment with AdamW's ``betas[1]`` and ``eps``, decoupled weight decay,
+        staggered refreshes."""
+        kwargs.setdefault("grafting_beta2", betas[1])
+        kwargs.setdefault("grafting_epsilon", eps)
+        for key in ("weight_decay_type", "refresh_schedule"):
+            kwargs.setdefault(key, ADAMW_STYLE[key])
+
 
 class TimmShampoo(_TimmOptimizer):
     """timm's ``opt="shampoo"``: Adam-grafted Shampoo, AdamW's hyperparameters.
@@ -99,11 +110,8 @@ class TimmShampoo(_TimmOptimizer):
             kwargs.setdefault("rank_rtol", None)
         else:
             kwargs.setdefault("epsilon", 1e-12)
-        kwargs.setdefault("grafting", "adam")
-        kwargs.setdefault("grafting_beta2", betas[1])
-        kwargs.setdefault("grafting_epsilon", ADAMW_EPS if eps is None else eps)
-        kwargs.setdefault("weight_decay_type", "decoupled")
-        kwargs.setdefault("refresh_schedule", "staggered")
+        kwargs.setdefault("grafting", ADAMW_STYLE["grafting"])
+        _TimmOptimizer._adamw_defaults(betas, ADAMW_EPS if eps is None else eps, kwargs)
 
 
 class TimmSoap(_TimmOptimizer):
@@ -121,10 +129,7 @@ class TimmSoap(_TimmOptimizer):
         eps = ADAMW_EPS if eps is None else eps
         kwargs.setdefault("preconditioner", "eigenvalue_corrected")
         kwargs.setdefault("epsilon", eps)
-        kwargs.setdefault("grafting_beta2", betas[1])
-        kwargs.setdefault("grafting_epsilon", eps)
-        kwargs.setdefault("weight_decay_type", "decoupled")
-        kwargs.setdefault("refresh_schedule", "staggered")
+        _TimmOptimizer._adamw_defaults(betas, eps, kwargs)
 
 
 class TimmKLShampoo(TimmShampoo):
@@ -292,43 +297,10 @@ def register(registry: Any = None, force: bool = False) -> bool:
     return True
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """One-shot import hook: runs ``register()`` right after timm's optimizer factory loads."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _FACTORY_MODULE:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            try:
-                register()
-            except Exception as error:  # noqa: BLE001 - never break `import timm`
-                warnings.warn(f"hf_shampoo: could not register with timm: {error}", stacklevel=2)
-
-        loader.exec_module = exec_then_register  # this module's loader instance only
-        return spec
-
-
 def register_on_import() -> None:
     """Register with timm now if timm's optimizer factory is loaded, else right after it is.
 
     This keeps ``import hf_shampoo`` from importing timm (about 1.5 s) while still making
     ``opt="shampoo"`` work whichever of the two is imported first.
     """
-    if _FACTORY_MODULE in sys.modules:
-        try:
-            register()
-        except Exception as error:  # noqa: BLE001 - never break `import hf_shampoo`
-            warnings.warn(f"hf_shampoo: could not register with timm: {error}", stacklevel=2)
-    elif importlib.util.find_spec("timm") is not None and not any(
-        isinstance(finder, _RegisterOnImport) for finder in sys.meta_path
-    ):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    on_import("timm", (_FACTORY_MODULE,), lambda fullname, module: register())

@@ -80,25 +80,17 @@ class EigenvalueCorrected(KroneckerFactored):
                 self._meta_qr(stack, job, plan, picked)
             return
         use_qr = qr and not first
-        if meta or not first:
-            # Meta checks A + εI, also against the identity basis at the first refresh
-            # (τ = 0 marks every matrix stale either way)
-            for plan in plans:
-                common.apply_criterion(job, plan, picked, shift=meta)
-                common.record_criterion(stack, job, plan, picked)
-        decompositions = {} if use_qr else common.eigh_all(job, plans, workspace)
-        for plan in plans:
-            new = common.decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
-                                   descending=not meta)
+        # Meta checks A + εI, also against the identity basis at the first refresh (τ = 0
+        # marks every matrix stale either way)
+        for plan, new in common.new_bases(stack, job, plans, picked, workspace, use_qr,
+                                          descending=not meta, check=meta or not first,
+                                          shift=meta):
             if new.order is not None and f"order_{plan.dim}" in job.state:  # delayed
                 job.state[f"order_{plan.dim}"].index_copy_(0, picked.index(new.done),
                                                          new.order)
             elif new.order is not None:
                 self._permute(job.state, plan.dim, picked.index(new.done), new.order)
             picked.put(job.state[f"eigenvectors_{plan.dim}"], new.done, new.basis)
-            stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
-                                 [job.members[r] for r in picked.list], job.step,
-                                 eigenvalues=new.values, group=group)
 
     def _meta_qr(self, stack, job, plan: common.DimRefresh, picked: common.Rows) -> None:
         """Meta's QR refresh of one dim: QR iterations on ``A + εI`` from the kept basis,

@@ -8,9 +8,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-import torch
-
-from ..keywords import Keyword, choice, fail, integer, is_real, real, scoped
+from ..keywords import Keyword, choice, fail, integer, is_real, real, scoped, working_dtype
 
 
 def check_exponent_override(key: str, value: Any) -> None:
@@ -84,9 +82,7 @@ FACTORED_KEYWORDS = (
             "unpreconditioned (default: `1/(2·order)` for `\"shampoo\"`; with "
             "`\"eigenvalue_corrected\"`, `{order: e}` is the exponent of the corrected "
             "eigenvalues, default 0.5, and per-dim entries may only be 0)")),
-    Keyword("inv_factor_matrix_dtype", None, torch.dtype,
-            choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16),
-            scope=scoped('layout'), doc=(
+    working_dtype("inv_factor_matrix_dtype", scope=scoped('layout'), doc=(
             "dtype of Shampoo's inverse roots and of the steady step's preconditioning "
             "products (Meta's option of that name; `None` = `factor_matrix_dtype`; "
             "`torch.bfloat16` / `torch.float16` halve the roots' memory and use the GPU's "

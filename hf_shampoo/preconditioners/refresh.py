@@ -11,6 +11,7 @@ without copies where every row refreshes. The kinds decide what a basis is used 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -187,3 +188,26 @@ def decompose(
     else:
         values[done] = new_values
     return NewBases(ok, done, basis, values, order)
+
+
+def new_bases(stack, job, plans: list[DimRefresh], picked: Rows, workspace, use_qr: bool,
+              descending: bool, check: bool, shift: bool = False
+              ) -> Iterator[tuple[DimRefresh, NewBases]]:
+    """The refresh every eigenbasis kind runs: with ``check``, the criterion on every dim
+    (``apply_criterion``, ``shift`` as there) and its record for ``metrics()``; then every
+    dim's new bases (``decompose``: warm-started QR with ``use_qr``, else one batched
+    ``eigh_all``), yielded for the kind to store what it keeps, after which the dim's
+    failures are counted (``BlockStack.count_failures``: it warns, or raises after too many
+    in a row)."""
+    if check:
+        for plan in plans:
+            apply_criterion(job, plan, picked, shift=shift)
+            record_criterion(stack, job, plan, picked)
+    decompositions = {} if use_qr else eigh_all(job, plans, workspace)
+    for plan in plans:
+        new = decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
+                        descending=descending)
+        yield plan, new
+        stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
+                             [job.members[r] for r in picked.list], job.step,
+                             eigenvalues=new.values, group=job.group)

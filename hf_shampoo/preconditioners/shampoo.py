@@ -92,20 +92,11 @@ class Shampoo(KroneckerFactored):
             for plan in plans:
                 self._coupled_roots(stack, job, plan, picked)
             return
-        if keeps and not first:
-            for plan in plans:
-                common.apply_criterion(job, plan, picked, shift=False)
-                common.record_criterion(stack, job, plan, picked)
-        decompositions = {} if use_qr else common.eigh_all(job, plans, workspace)
-        for plan in plans:
-            new = common.decompose(job, plan, picked, use_qr, decompositions.get(plan.dim),
-                                   descending=True)
+        for plan, new in common.new_bases(stack, job, plans, picked, workspace, use_qr,
+                                          descending=True, check=keeps and not first):
             if keeps:
                 picked.put(job.state[f"eigenvectors_{plan.dim}"], new.done, new.basis)
             self._roots(stack, job, plan, picked, new, workspace)
-            stack.count_failures(f"factor_matrix_{plan.dim}", new.ok,
-                                 [job.members[r] for r in picked.list], job.step,
-                                 eigenvalues=new.values, group=group)
 
     def _coupled_roots(self, stack, job, plan, picked) -> None:
         """``I_j`` of every refreshing row by Meta's coupled Newton or higher-order

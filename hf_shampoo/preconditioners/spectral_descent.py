@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..keywords import Keyword, choice, fail, integer, is_real
+from ..keywords import Keyword, choice, fail, integer, is_real, working_dtype
 from ..orthogonalization import MUON, NAMED, lr_adjustment, newton_schulz, svd_orthogonalize
 from .base import Preconditioner
 
@@ -53,9 +53,7 @@ SPECTRAL_KEYWORDS = (
             "`\"muon\"` or `\"polar_express\"` (arXiv 2505.16932: a minimax-optimal "
             "polynomial per iteration, from `X / (1.02 ‖X‖_F)`; its accuracy: "
             "[Muon](muon.md#polar-express))")),
-    Keyword("newton_schulz_dtype", None, torch.dtype,
-            choice(None, torch.float32, torch.float64, torch.bfloat16, torch.float16),
-            doc=(
+    working_dtype("newton_schulz_dtype", doc=(
             "spectral descent: dtype of the iteration (`None` = `factor_matrix_dtype`; "
             "`torch.bfloat16` as torch.optim.Muon)")),
     Keyword("spectral_lr_adjustment", None, str,

@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from ...config import DEFAULTS, TABLE, did_you_mean, inert_keywords, validate_group
+from ...config import (
+    ADAMW_STYLE,
+    DEFAULTS,
+    TABLE,
+    did_you_mean,
+    inert_keywords,
+    validate_group,
+)
 from ...optimizer import DistributedShampoo
 from ...preconditioners import KINDS
 from ..modules import (
@@ -60,7 +67,7 @@ FINE_TUNING_DEFAULTS: dict[str, Any] = {
     "precondition_frequency": 50,
     "start_preconditioning_step": None,
     "max_preconditioner_dim": 512,
-    "refresh_schedule": "staggered",
+    "refresh_schedule": ADAMW_STYLE["refresh_schedule"],
 }
 SHAMPOO_EPSILON = 1e-12
 # Presets whose kinds keep no statistics (spectral descent and Adam): the defaults above and
@@ -278,8 +285,8 @@ def trainer_defaults(args: Any, preset: str | None = None) -> dict[str, Any]:
         "lr": args.learning_rate,
         "betas": (args.adam_beta1, args.adam_beta2),
         "weight_decay": args.weight_decay,
-        "weight_decay_type": "decoupled",
-        "grafting": "adam",
+        "weight_decay_type": ADAMW_STYLE["weight_decay_type"],
+        "grafting": ADAMW_STYLE["grafting"],
         "grafting_beta2": args.adam_beta2,
         "grafting_epsilon": args.adam_epsilon,
     }

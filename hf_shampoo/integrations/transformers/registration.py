@@ -25,6 +25,7 @@ from typing import Any
 
 from ...checkpoint.integrity import newest_complete, trainer_checkpoint_problem
 from ...optional import require
+from ..after_import import on_import
 from .arguments import MUON_NAME, OPTIMIZER_NAME, OPTIMIZER_NAMES, optimizer_cls_and_kwargs
 from .trainer import add_optimizer_metrics, classes, uses_shampoo
 
@@ -214,57 +215,8 @@ def is_registered() -> bool:
         name in module.OptimizerNames._value2member_map_ for name in OPTIMIZER_NAMES)
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Import hook: patches each of ``_PATCHES``' modules right after it has executed."""
-
-    def __init__(self) -> None:
-        self._busy = threading.local()
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _PATCHES or fullname in _patched or getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy.on = False
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then_patch(module):
-            exec_module(module)
-            try:
-                _apply(fullname, module)
-            except Exception as error:  # noqa: BLE001 - never break `import transformers`
-                warnings.warn(
-                    f"hf_shampoo: could not register with transformers: {error}", stacklevel=2
-                )
-            if all(name in _patched for name in _PATCHES) and self in sys.meta_path:
-                sys.meta_path.remove(self)
-
-        loader.exec_module = exec_then_patch  # this module's loader instance only
-        return spec
-
-
 def register_on_import() -> None:
     """Register with transformers lazily: patch its modules already loaded now, the others
     right after they load. Costs nothing when transformers is never imported; this is what
     ``import hf_shampoo`` calls."""
-    if importlib.util.find_spec("transformers") is None:
-        return
-    pending = False
-    for fullname in _PATCHES:
-        module = sys.modules.get(fullname)
-        if module is not None:
-            try:
-                _apply(fullname, module)
-            except Exception as error:  # noqa: BLE001 - never break `import hf_shampoo`
-                warnings.warn(
-                    f"hf_shampoo: could not register with transformers: {error}", stacklevel=2
-                )
-        else:
-            pending = True
-    if pending and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    on_import("transformers", tuple(_PATCHES), _apply, lambda fullname: fullname in _patched)
