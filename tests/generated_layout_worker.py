@@ -384,6 +384,19 @@ def run_model(case: dict, work: str) -> dict:
     return result
 
 
+def fresh_dtensor_caches() -> None:
+    """Start a case as a fresh training process would: torch's DTensor sharding caches
+    emptied. They compare meshes by value, so a later case's DTensor could otherwise come
+    back on an earlier case's equal sub-mesh, whose root is that case's mesh (a one-rank
+    ``"dp_shard"`` is any root's with such a dim): the stage found from it then differs
+    between ranks, a hang (docs/parallelism.md#pipeline-parallel names this limit for a
+    process that holds several root meshes)."""
+    from torch.distributed.tensor import DTensor
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
 def run_world(rank: int, world: int, init_file: str, out_dir: str, cases: list[dict]) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -394,6 +407,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str, cases: list[d
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
     results: list[dict] = []
     for case in cases:
+        fresh_dtensor_caches()
         try:
             run = run_model if "model" in case else run_synthetic
             # 4-bit cases quantise their tiny factors from construction to the last load

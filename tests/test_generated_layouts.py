@@ -128,7 +128,37 @@ def regressions() -> list[dict]:
                    "start_preconditioning_step": 1, "weight_decay": 0.05,
                    "weight_decay_type": "decoupled"},
         "stacking": {"min_stacks": 1, "stack_elements": 1 << 24, "batch_variant": False}})
+    out += one_rank_stage()
     return [case | {"base_seed": "regression"} for case in out]
+
+
+def one_rank_stage() -> list[dict]:
+    """Seed 365081319's case 28 of world 8 in the long search, in two cases: a mesh with a
+    one-rank ``"dp_shard"``, then a pipeline stage whose parameters all live on such a
+    sub-mesh. Torch's sharding caches compare meshes by value, so the stage's DTensor came
+    back on the earlier mesh's sub-mesh, whose root has no ``"pp"`` dim: stage 0 spread its
+    blocks over the world while stage 1 used its stage (a hang). Each case now starts from
+    empty caches, as a fresh process does (``fresh_dtensor_caches`` in the worker); a
+    process that keeps several meshes passes ``process_group=`` (docs/parallelism.md)."""
+    soap = {**lc.KINDS["soap"], "kind": "soap", "lr": 0.03, "max_preconditioner_dim": 16,
+            "precondition_frequency": 3, "start_preconditioning_step": 3}
+    one = {"min_stacks": 1, "stack_elements": 1 << 24, "batch_variant": False}
+    first = {"seed": 90_050, "world": 4, "kind": "soap", "steps": 4, "names": ["p0"],
+             "shapes": [(32,)], "no_grad": {}, "config": soap, "stacking": one,
+             "layout": {"mesh": {"shape": (4, 1), "names": ("dp_replicate", "dp_shard"),
+                                 "flatten": None},
+                        "where": [(("dp_shard",), [("S", 0)])]}}
+    staged = {"seed": 90_051, "world": 4, "kind": "soap", "steps": 5, "config": soap,
+              "stacking": one,
+              "pipeline": {
+                  "mesh": {"shape": (2, 1, 2), "names": ("pp", "dp_shard", "tp"),
+                           "flatten": None},
+                  "stages": [
+                      {"names": ["s0.p0"], "shapes": [(32,)], "no_grad": {},
+                       "where": [(("dp_shard",), [("S", 0)])]},
+                      {"names": ["s1.p0", "s1.p1"], "shapes": [(32,), (8, 6)], "no_grad": {},
+                       "where": [(("dp_shard", "tp"), [("S", 0), ("R",)]), None]}]}}
+    return [first, staged]
 
 
 def issue53_layouts(mesh: dict) -> list[dict]:
