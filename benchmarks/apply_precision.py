@@ -7,9 +7,9 @@ Meta's option), each against the same product in float64.
 The blocks are GPT-2 small's (768 × 768, 768 × 1024, 1024 × 768 with
 ``max_preconditioner_dim=1024``); their factors are accumulated (β2 = 0.999, bias-corrected)
 over ``--steps`` gradients with a power-law spectrum (singular values ``k^-α``, random
-singular vectors drifting step by step), and the roots are computed in float64 and stored in
-float32 (bfloat16 for that row). The table gives, per shape and precision, the relative
-error ``‖P − P₆₄‖ / ‖P₆₄‖`` of the preconditioned gradient and the cosine between them
+singular vectors each moving by ``--drift`` a step), and the roots are computed in float64
+and stored in float32 (bfloat16 for that row). The table gives, per shape and precision,
+the relative error ``‖P − P₆₄‖ / ‖P₆₄‖`` of the preconditioned gradient and the cosine between them
 (median over ``--trials``), and, for scale, how far the direction moves when the roots are
 one refresh stale (computed ``--stale`` steps earlier): the error Shampoo already accepts
 with ``precondition_frequency``. No GPU is needed; a GPU's TF32 rounds its operands the same
@@ -26,16 +26,9 @@ import torch
 
 from benchmarks.common import command_line, hardware, median
 from hf_shampoo.kronecker import multi_mode_product
+from hf_shampoo.matmul_precision import to_tf32
 
 SHAPES = [(768, 768), (768, 1024), (1024, 768)]
-
-
-def to_tf32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32) rounded to TF32 (1 + 8 + 10 bits), to nearest, ties to even."""
-    bits = x.contiguous().view(torch.int32)
-    lower = torch.bitwise_and(torch.bitwise_right_shift(bits, 13), 1)
-    rounded = torch.bitwise_and(bits + 0x0FFF + lower, ~0x1FFF)
-    return rounded.view(torch.float32)
 
 
 def tf32_product(g: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -50,7 +43,7 @@ def inverse_root(factor: torch.Tensor, exponent: float, epsilon: float) -> torch
     return (vectors * values.pow(-exponent)) @ vectors.mT
 
 
-def factors(shape, steps: int, alpha: float, generator: torch.Generator):
+def factors(shape, steps: int, alpha: float, generator: torch.Generator, drift: float):
     """Bias-corrected EMA factors of ``steps`` gradients, and the last gradient; float64."""
     m, n = shape
     rank = min(m, n)
@@ -61,8 +54,9 @@ def factors(shape, steps: int, alpha: float, generator: torch.Generator):
         torch.zeros(n, n, dtype=torch.float64), 0.999
     history = []
     for t in range(1, steps + 1):
-        drift_u = torch.randn(m, rank, dtype=torch.float64, generator=generator) * 0.05
-        drift_v = torch.randn(n, rank, dtype=torch.float64, generator=generator) * 0.05
+        # each singular vector moves by about ``drift`` per step
+        drift_u = torch.randn(m, rank, dtype=torch.float64, generator=generator) * drift / m ** 0.5
+        drift_v = torch.randn(n, rank, dtype=torch.float64, generator=generator) * drift / n ** 0.5
         u = torch.linalg.qr(u + drift_u)[0]
         v = torch.linalg.qr(v + drift_v)[0]
         g = (u * spectrum) @ v.mT + 1e-3 * torch.randn(m, n, dtype=torch.float64,
@@ -89,12 +83,15 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--alpha", type=float, default=1.0, help="spectrum k^-alpha")
     parser.add_argument("--epsilon", type=float, default=1e-12)
+    parser.add_argument("--drift", type=float, default=0.05,
+                        help="how far each singular vector moves per step")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"`{command_line()}`; {hardware()}; Shampoo roots (exponent 1/4 per side), "
-          f"{args.steps} gradients with spectrum k^-{args.alpha:g}, epsilon "
-          f"{args.epsilon:g}; medians over {args.trials} trials.\n")
+          f"{args.steps} gradients with spectrum k^-{args.alpha:g} and singular vectors moving "
+          f"{args.drift:g} a step, epsilon {args.epsilon:g}; medians over {args.trials} "
+          "trials.\n")
     print("| block | float32 error | TF32 (emulated) error | bfloat16 roots error | "
           f"roots {args.stale} steps stale | cosine TF32 / bf16 |")
     print("|---|---|---|---|---|---|")
@@ -103,7 +100,7 @@ def main(argv=None) -> None:
                                         ("f32", "tf32", "bf16", "stale", "cos_tf32", "cos_bf16")}
         for trial in range(args.trials):
             generator = torch.Generator().manual_seed(1000 * trial + shape[0] + shape[1])
-            history, g = factors(shape, args.steps, args.alpha, generator)
+            history, g = factors(shape, args.steps, args.alpha, generator, args.drift)
             left64, right64 = (inverse_root(f, 0.25, args.epsilon) for f in history[-1])
             stale_left, stale_right = (inverse_root(f, 0.25, args.epsilon)
                                        for f in history[-1 - args.stale])

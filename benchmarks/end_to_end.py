@@ -58,6 +58,8 @@ VARIANTS = {
            "eigendecomposition=qr,orthogonalization=cholesky_qr"),
     "bf16-roots": (dict(inv_factor_matrix_dtype=torch.bfloat16),
                    "inv_factor_matrix_dtype=bfloat16"),
+    "fused": (dict(stacking="fused"), "stacking=fused"),
+    "tf32": (dict(apply_precision="tf32"), "apply_precision=tf32"),
 }
 FULL = dict(batch_size=256, image_size=224, seq_len=1024, gpt2_batch_size=8, frequency=100)
 TINY = dict(batch_size=4, image_size=32, seq_len=32, gpt2_batch_size=2, frequency=4)
@@ -273,6 +275,8 @@ def gpt2_runs(args, device: torch.device, fused: bool) -> Iterator[dict]:
               f"{optim_args},{text}") for variant, (_, text) in variant_keywords(args).items()]
     if args.muon:
         runs.append(("Muon (distributed_muon)", "distributed_muon", None))
+        if "fused" in args.variants:
+            runs.append(("Muon (distributed_muon), fused", "distributed_muon", "stacking=fused"))
     for name, optim, extra in runs:
         resident = free_memory(device)
         torch.manual_seed(0)
@@ -404,7 +408,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--refresh-delay", type=int, default=0,
                         help="also Shampoo staggered with this refresh_delay (<= frequency)")
     parser.add_argument("--muon", action="store_true",
-                        help="GPT-2: also optim=distributed_muon (goal: <= 1.05x AdamW)")
+                        help="GPT-2: also optim=distributed_muon (goal: <= 1.05x AdamW); "
+                        "with --variants fused, Muon with stacking=fused too")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models and steps")
     parser.add_argument("--json", default=None, help="write every step time here")
     parser.add_argument("--write", default=None, help="put the table into this markdown file")

@@ -73,11 +73,15 @@ tests() {
 }
 
 lent() {
-    local scale=() e2e_size=(--frequency 100 --warmup 100 --refresh-delay 50)
+    # GPT-2 end to end with every GPU-oriented row (background refresh, one stack per
+    # kind for Shampoo and Muon, TF32 products); ResNet-50's step and the roots moved to
+    # followup to make room
+    local scale=() e2e_size=(--frequency 100 --warmup 100 --refresh-delay 50
+                             --variants fused tf32)
     local muon_size=(--layers 12 --width 768)
-    local models=(resnet50 gpt2)
+    local models=(gpt2)
     if [ "$SMOKE" = 1 ]; then
-        scale=(--steady 2 --threads 1) e2e_size=(--tiny --refresh-delay 2)
+        scale=(--steady 2 --threads 1) e2e_size=(--tiny --refresh-delay 2 --variants fused tf32)
         muon_size=(--layers 1 --width 64)
         models=(gpt2-tiny)
     fi
@@ -85,8 +89,8 @@ lent() {
     # the simulated ranks first: one process and each rank's stacks on the GPU, bit for bit
     local modules="tests/test_simulated_ranks.py tests/test_refresh_delay.py tests"
     [ "$SMOKE" = 1 ] && modules="tests/test_host_sync.py tests/test_kronecker.py"
-    echo "== tests (SIGINT after 140 s: pytest prints its summary)" | tee -a "$OUT/tests.log"
-    HF_SHAMPOO_TEST_DEVICE=$DEVICE timeout -s INT 140 $PY -m pytest -q -p no:cacheprovider \
+    echo "== tests (SIGINT after 120 s: pytest prints its summary)" | tee -a "$OUT/tests.log"
+    HF_SHAMPOO_TEST_DEVICE=$DEVICE timeout -s INT 120 $PY -m pytest -q -p no:cacheprovider \
         -m device --junitxml="$OUT/tests.xml" $modules 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
     part muon 35 $PY -m benchmarks.muon_step_time --device "$DEVICE" --worlds 1 --rounds 5 \
         "${muon_size[@]}"
@@ -95,10 +99,7 @@ lent() {
         part "step_$model" 65 $PY -m benchmarks.step_time --device "$DEVICE" --model "$model" \
             "${meta_args[@]}" --rounds 1 --steady 5 --low-precision-roots "${scale[@]}"
     done
-    local roots=(--model resnet50 --rounds 1)
-    [ "$SMOKE" = 1 ] && roots=(--model gpt2-tiny --rounds 1 --threads 1)
-    part step_roots 40 $PY -m benchmarks.root_solvers --device "$DEVICE" "${roots[@]}"
-    part e2e_gpt2 150 $PY -m benchmarks.end_to_end --device "$DEVICE" --workload gpt2 --muon \
+    part e2e_gpt2 275 $PY -m benchmarks.end_to_end --device "$DEVICE" --workload gpt2 --muon \
         "${e2e_size[@]}" --json "$OUT/e2e_gpt2.json" --write "$OUT/e2e_gpt2.md"
 }
 
@@ -115,6 +116,10 @@ followup() {  # the second call of a lent GPU: tests after fixes, what `lent` cu
     local dtypes=(--dtypes float32 float64)
     [ "$SMOKE" = 1 ] && dtypes=(--dtypes float64)
     part batch_invariance 50 $PY -m benchmarks.batch_invariance --device "$DEVICE" "${dtypes[@]}"
+    local resnet=(--steady 5 --rounds 1)
+    [ "$SMOKE" = 1 ] && resnet=(--steady 2 --threads 1)
+    part step_resnet50 65 $PY -m benchmarks.step_time --device "$DEVICE" --model resnet50 \
+        "${meta_args[@]}" "${resnet[@]}" --low-precision-roots
     part step_roots 80 $PY -m benchmarks.root_solvers --device "$DEVICE" "${roots[@]}"
 }
 
