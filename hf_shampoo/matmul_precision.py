@@ -61,7 +61,14 @@ class EmulatedTF32(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _cuda_tf32() -> Iterator[None]:
+    """cuBLAS's TF32 switch on, then back as it was. Through the legacy ``allow_tf32``,
+    which torch reads and sets whichever API set it before, but for a process that set
+    ``fp32_precision="tf32"`` itself (then its matmuls are TF32 already, and torch would
+    refuse the legacy read)."""
     matmul = torch.backends.cuda.matmul
+    if getattr(matmul, "fp32_precision", None) == "tf32":
+        yield
+        return
     saved = matmul.allow_tf32
     matmul.allow_tf32 = True
     try:

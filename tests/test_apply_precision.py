@@ -110,3 +110,33 @@ def test_tf32_with_a_refresh_delay_is_refused_on_cuda():
 def test_an_invalid_value_is_refused_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"apply_precision.*'ieee'.*'tf32'"):
         DistributedShampoo([torch.nn.Parameter(torch.zeros(3))], apply_precision="bf16")
+
+
+def test_cuda_switch_is_restored_through_the_api_the_process_uses():
+    """The switch is flipped and restored from any state a process may have set (torch
+    raises when a process reads the legacy ``allow_tf32`` after setting
+    ``fp32_precision="tf32"``: that state is left untouched, TF32 already). The flags
+    exist without a GPU, so this runs anywhere."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from hf_shampoo.matmul_precision import _cuda_tf32\n"
+        "m = torch.backends.cuda.matmul\n"
+        "for start in ('none', 'ieee', 'tf32'):\n"
+        "    if start != 'none':\n"
+        "        m.fp32_precision = start\n"
+        "    with _cuda_tf32():\n"
+        "        assert m.fp32_precision == 'tf32'\n"
+        "    assert m.fp32_precision == ('tf32' if start == 'tf32' else 'ieee'), start\n"
+        "    if start != 'tf32':\n"
+        "        assert m.allow_tf32 is False\n"
+        "m.allow_tf32 = True\n"  # the legacy API: TF32 already, left as it is
+        "with _cuda_tf32():\n"
+        "    assert m.allow_tf32\n"
+        "assert m.allow_tf32\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
