@@ -145,6 +145,20 @@ def torchrun(script: str, args: list[str], nproc: int, timeout: int = 300,
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
+def run(cmd: list[str], timeout: float = 180, cwd: Path | None = None) -> str:
+    """``cmd`` in this checkout (one thread, this checkout first on the path); fails the
+    test with the output's tail unless it succeeds, else returns its stdout and stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    return output
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on now (the kernel's pick)."""
     import socket

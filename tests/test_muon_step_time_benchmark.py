@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_integration_transformers import run
+from tests.helpers import run
 
 pytestmark = [pytest.mark.benchmarks,
               pytest.mark.skipif(not hasattr(torch.optim, "Muon"),

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_integration_transformers import run
+from tests.helpers import run
 
 pytestmark = pytest.mark.benchmarks
 

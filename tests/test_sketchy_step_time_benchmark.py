@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.sketchy_step_time import mean_step
-from tests.test_integration_transformers import run
+from tests.helpers import run
 
 pytestmark = pytest.mark.benchmarks
 
