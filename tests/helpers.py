@@ -1,5 +1,8 @@
 """Shared helpers of the tests: the test device, deterministic gradients, an optimizer-vs-reference
-runner, the Trainer FSDP2 worker's launch and its checks."""
+runner, a command run in this checkout (``run``), the torchrun launchers, the Trainer FSDP2
+worker's launch and its checks. Test modules import helpers from here (or from the other
+non-test modules of tests/: ``tiny_trainer``, ``package_modules``, the workers), never from
+another test module."""
 
 from __future__ import annotations
 
