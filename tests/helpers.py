@@ -1,5 +1,8 @@
 """Shared helpers of the tests: the test device, deterministic gradients, an optimizer-vs-reference
-runner, the Trainer FSDP2 worker's launch and its checks."""
+runner, a command run in this checkout (``run``), the torchrun launchers, the Trainer FSDP2
+worker's launch and its checks. Test modules import helpers from here (or from the other
+non-test modules of tests/: ``tiny_trainer``, ``package_modules``, the workers), never from
+another test module."""
 
 from __future__ import annotations
 
@@ -143,6 +146,20 @@ def torchrun(script: str, args: list[str], nproc: int, timeout: int = 300,
                           cwd=ROOT, env=launcher_env(**env_extra), timeout=timeout,
                           capture_output=True, text=True)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def run(cmd: list[str], timeout: float = 180, cwd: Path | None = None) -> str:
+    """``cmd`` in this checkout (one thread, this checkout first on the path); fails the
+    test with the output's tail unless it succeeds, else returns its stdout and stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    return output
 
 
 def free_port() -> int:

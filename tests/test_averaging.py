@@ -252,7 +252,7 @@ def test_trainer_trains_at_y_evaluates_and_ends_at_the_averaged_weights(tmp_path
     pytest.importorskip("transformers")
     from transformers import Trainer
 
-    from tests.test_integration_transformers import dataset, tiny_gpt2, training_args
+    from tests.tiny_trainer import dataset, tiny_gpt2, training_args
 
     model = tiny_gpt2()
     args = training_args(tmp_path, optim="distributed_shampoo", learning_rate=1e-3,
@@ -305,7 +305,7 @@ def test_trainer_with_load_best_model_at_end_keeps_the_best_averaged_weights(tmp
     pytest.importorskip("transformers")
     from transformers import GPT2LMHeadModel, Trainer
 
-    from tests.test_integration_transformers import dataset, tiny_gpt2, training_args
+    from tests.tiny_trainer import dataset, tiny_gpt2, training_args
 
     model = tiny_gpt2()
     args = training_args(tmp_path, optim="distributed_shampoo", learning_rate=1e-3,

@@ -1,7 +1,9 @@
 """Data-parallel Shampoo on CPU with gloo (docs/design.md §4): 2 and 3 ranks against one process.
 
 One spawn per world size runs every scenario of ``distributed_worker.py``; the tests
-compare its per-rank results with single-process runs made here.
+compare its per-rank results with single-process runs made here. The planning that needs no
+process group (owner assignment, refusals, frozen parameters in one process) is tested in
+tests/test_planning.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch.multiprocessing as mp
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.checkpoint import consolidate_checkpoint, load_sharded
-from hf_shampoo.distributors import block_cost, greedy_assignment
 from tests import distributed_worker as worker
 from tests.helpers import assert_bitwise, one_thread_per_process
 
@@ -164,20 +165,6 @@ def test_wrapped_models_stay_identical_across_ranks(runs, scenario):
         torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
 
 
-def test_greedy_assignment_is_longest_first_and_deterministic():
-    costs = [block_cost(s) for s in [(16, 16), (16, 4), (7,), (16, 16), (3, 3)]]
-    owners = greedy_assignment(costs, 2)
-    assert owners == greedy_assignment(costs, 2)
-    # the two largest blocks go to different ranks
-    assert owners[0] != owners[3]
-    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
-    assert max(loads) - min(loads) <= max(costs)
-    assert block_cost((16, 16), "compute") == 2 * 16**3 + 256
-
-
-def test_ddp_mode_without_process_group_is_refused():
-    with pytest.raises(ValueError, match="distributed='ddp'"):
-        DistributedShampoo([torch.nn.Parameter(torch.ones(2))], distributed="ddp")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -195,28 +182,6 @@ def test_a_non_finite_gradient_stops_every_rank_between_refreshes(runs, world):
     assert all("non-finite gradient" in r["message"] and "param 2 (shape" in r["message"]
                and "step 3" in r["message"] for r in got), got
     assert all(r["unchanged"] and r["step"] == 2 for r in got)
-
-
-def test_frozen_parameters_get_no_blocks_and_state_and_unfreezing_adds_them():
-    """One process: a frozen parameter (requires_grad=False, no gradient) has no blocks and
-    no state; unfrozen at step 3 it gets them then and moves exactly as a trainable
-    parameter whose gradient was None at steps 1 and 2."""
-    params, opt, blocks = worker.train_frozen(worker.SCENARIOS["shampoo_adam"])
-    everything = set(range(len(worker.SHAPES)))
-    assert blocks[0] == sorted(everything - {worker.FROZEN, 1})
-    assert blocks[-1] == sorted(everything - {worker.FROZEN})
-    assert sorted(opt.state_dict()["state"]) == sorted(everything - {worker.FROZEN})
-    assert torch.equal(params[worker.FROZEN].detach(),
-                       worker.make_params()[worker.FROZEN].detach())
-    # the same run with parameter 1 trainable but without a gradient at steps 1 and 2
-    reference = worker.make_params()
-    reference[worker.FROZEN].requires_grad_(False)
-    ref_opt = worker.optimizer_for(reference, worker.SCENARIOS["shampoo_adam"])
-    for step in range(1, worker.STEPS + 1):
-        worker.set_grads(reference, step, no_grad={worker.FROZEN: range(1, worker.STEPS + 1),
-                                                   1: range(1, worker.UNFROZEN_AT)})
-        ref_opt.step()
-    assert_bitwise([p.detach() for p in params], [p.detach() for p in reference])
 
 
 @pytest.mark.parametrize("world", [2, 3])

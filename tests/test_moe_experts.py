@@ -290,6 +290,7 @@ def _dist_worker(rank: int, init_file: str, out_file: str) -> None:
     leave_gloo_world()  # rank 1 tore gloo down while rank 0 saved, and was aborted
 
 
+@pytest.mark.distributed  # spawns two gloo ranks
 def test_two_ranks_ddp_and_expert_parallel_bit_identical(tmp_path):
     """DDP, and experts sharded over ranks (``Shard(0)``, expert parallelism) or each
     expert's rows sharded (``Shard(1)``), move every expert bit for bit as one process."""

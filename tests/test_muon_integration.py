@@ -14,7 +14,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations import transformers as hft
 from hf_shampoo.integrations.modules import WHOLE_MATRIX, describe, describe_rows, make_optimizer
-from tests.test_integration_transformers import (
+from tests.tiny_trainer import (
     WORKER_ARGS,
     dataset,
     group_of,

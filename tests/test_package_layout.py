@@ -11,44 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.package_modules import PACKAGE, deprecated_shims, import_graph, package_modules
+
 pytestmark = pytest.mark.unit
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hf_shampoo"
 DESIGN = PACKAGE.parent / "docs" / "design.md"
-
-
-def _modules() -> dict[str, Path]:
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        modules[".".join(parts)] = path
-    return modules
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module → the package modules it imports (at any depth of its code)."""
-    modules = _modules()
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = ".".join(package[: len(package) - node.level + 1])
-                    target = f"{base}.{node.module}" if node.module else base
-                else:
-                    target = node.module or ""
-                # "from . import x" imports the submodule x, not the package's own code
-                candidates = [target] if node.module else []
-                candidates += [f"{target}.{alias.name}" for alias in node.names]
-            elif isinstance(node, ast.Import):
-                candidates = [alias.name for alias in node.names]
-            else:
-                continue
-            graph[name] |= {c for c in candidates if c in modules and c != name}
-    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -115,31 +82,12 @@ def test_distributors_import_only_their_base():
 
 
 def test_every_module_opens_with_its_role():
-    for name, path in _modules().items():
+    for name, path in package_modules().items():
         docstring = ast.get_docstring(ast.parse(path.read_text()))
         assert docstring and len(docstring.split()) >= 5, name
 
 
 # ---------------------------------------------------------------- the module map
-
-
-def _warns_deprecation(node: ast.stmt) -> bool:
-    """Whether a statement is a call of ``warn(..., DeprecationWarning, ...)``."""
-    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
-        return False
-    call = node.value
-    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(
-        call.func, "id", None)
-    arguments = [*call.args, *(k.value for k in call.keywords)]
-    return name == "warn" and any(isinstance(a, ast.Name) and a.id == "DeprecationWarning"
-                                  for a in arguments)
-
-
-def deprecated_shims() -> dict[str, Path]:
-    """The modules kept only as old import paths: those that warn with a
-    ``DeprecationWarning`` when imported (a ``warn`` call at module level)."""
-    return {name: path for name, path in _modules().items()
-            if any(_warns_deprecation(node) for node in ast.parse(path.read_text()).body)}
 
 
 def _relative(path: Path) -> str:

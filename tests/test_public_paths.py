@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_package_layout import deprecated_shims, import_graph
+from tests.package_modules import deprecated_shims, import_graph
 
 pytestmark = pytest.mark.unit
 

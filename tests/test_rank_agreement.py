@@ -5,7 +5,8 @@ gloo abort, a hang or replicas trained with a mix of settings (docs/parallelism.
 
 One spawn per world size (2 and 3 ranks, gloo) runs every scenario of
 ``ranks_worker.py``; a spawn that outlives its deadline (a hang) or loses a rank to a signal
-(an abort) fails the tests.
+(an abort) fails the tests. ``agreement``'s messages and the single-process checks are
+tested in tests/test_planning.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import os
 import time
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
-from hf_shampoo.distributors import SingleProcessDistributor, agreement
 from tests import ranks_worker as worker
 from tests.helpers import one_thread_per_process
 
@@ -256,117 +255,3 @@ def test_refusals_name_the_group_and_the_rank(runs):
         assert r["two_dim_mesh"]["outcome"].startswith(
             "ValueError: DistributedShampoo: process_group is a 2-D DeviceMesh (dims "
             "('pp', 'dp')); it takes a ProcessGroup or a 1-D DeviceMesh")
-
-
-def test_the_message_of_differing_plans():
-    """``agreement.message`` alone: counts, the first difference, a parameter only one
-    rank has."""
-    def entry(index, shape, mesh=None):
-        param = [list(shape), "float32"] + ([mesh, ["Shard(dim=0)"]] if mesh else [])
-        return {"index": index, "name": None, "param": param,
-                "blocks": [[list(shape), 0, "float32", "()", 1.0]]}
-
-    a = {"count": 2, "entries": [entry(0, (4, 4)), entry(1, (4,))]}
-    b = {"count": 3, "entries": [entry(0, (4, 4)), entry(1, (4,)), entry(2, (2,))]}
-    text = agreement.message([a, a, b], [(2, 1), (2, 1), (3, 2)], [0, 1, 2], me=1)
-    assert text.startswith("DistributedShampoo: rank 2 holds different parameters from "
-                           "ranks 0, 1")
-    assert "rank 2 has more, from parameter 2 of shape (2,) float32" in text
-    assert "This is rank 1;" in text
-    c = {"count": 2, "entries": [entry(0, (4, 4), [0, 1]), entry(1, (4,))]}
-    d = {"count": 2, "entries": [entry(0, (4, 4), {"sub-mesh": [1]}), entry(1, (4,))]}
-    text = agreement.message([c, d], [(2, 1), (2, 2)], [0, 1], me=0)
-    assert ("on a sub-mesh of shape (1,) placed (Shard(dim=0)) there, parameter 0 of shape "
-            "(4, 4) float32 on mesh ranks [0, 1] placed (Shard(dim=0)) on rank 0") in text
-
-
-def test_the_message_of_differing_settings():
-    """``agreement.message`` with settings: every rank's value of the first differing
-    one, the others named; with parameters that differ too, the parameters first."""
-    def plan(settings, shape=(4, 4)):
-        entry = {"index": 0, "name": None, "param": [list(shape), "float32"],
-                 "blocks": [[list(shape), 0, "float32", "()", 1.0]]}
-        return {"count": 1, "entries": [entry], "groups": 1, "settings": [[0, settings]]}
-
-    a = plan([["lr", "0.1"], ["epsilon", "1e-12"], ["preconditioner", "'shampoo'"]])
-    b = plan([["lr", "0.1"], ["epsilon", "1e-10"], ["preconditioner", "'sketchy'"],
-              ["sketch_rank", "128"]])
-    text = agreement.message([a, b, a], [(1, 1), (1, 2), (1, 1)], [0, 1, 2], me=2)
-    assert text.startswith(
-        "DistributedShampoo: ranks of the process group differ in parameter group 0's "
-        "setting 'epsilon': ranks 0, 2 have 1e-12, rank 1 has 1e-10 (and its settings "
-        "'preconditioner', 'sketch_rank').")
-    assert text.endswith("This is rank 2; nothing was changed.")
-    c = plan([["lr", "0.5"], ["epsilon", "1e-12"], ["preconditioner", "'shampoo'"]], (2, 2))
-    text = agreement.message([a, c], [(1, 1), (1, 3)], [0, 1], me=0)
-    assert text.startswith("DistributedShampoo: rank 1 holds different parameters from "
-                           "rank 0")
-    assert ("The ranks also differ in parameter group 0's setting 'lr': rank 0 has 0.1, "
-            "rank 1 has 0.5.") in text
-
-
-def test_settings_are_shown_exactly():
-    assert agreement.setting(0.1) == "0.1" and agreement.setting(1e-12) == "1e-12"
-    assert agreement.setting(0.1 + 0.2) == "0.30000000000000004"  # not 0.3: exactly
-    assert agreement.setting(torch.tensor(0.5)) == "0.5"
-    assert agreement.setting(1, real=True) == agreement.setting(1.0) == "1.0"
-    assert agreement.setting(3) == "3" and agreement.setting(True) == "True"
-    assert agreement.setting((0.9, 1), real=True) == "(0.9, 1.0)"
-    assert agreement.setting({2: 0.5}, real=True) == "{2: 0.5}"
-    assert agreement.setting(torch.float64) == "torch.float64"
-    assert agreement.setting("adam") == "'adam'" and agreement.setting(None) == "None"
-
-
-def test_one_process_and_planners_check_nothing():
-    from hf_shampoo import DistributedShampoo
-
-    param = torch.nn.Parameter(torch.ones(4, 3))
-    opt = DistributedShampoo([param], lr=0.1)
-    param.grad = torch.ones(4, 3)
-    opt.step()
-    assert opt._layout.plan.agreed and not opt.distributor.needs_agreement()
-
-
-class _Checked(SingleProcessDistributor):
-    """One process that checks as a sharded distributor on sub-meshes would: before
-    ``assign``, at every layout."""
-
-    def needs_agreement(self) -> bool:
-        return True
-
-    def collective_layout(self, params) -> bool:
-        return True
-
-
-def test_a_refused_layout_change_changes_nothing(monkeypatch):
-    """Where the check runs while laying out (``collective_layout``), a refused new group
-    is not added, and a refused rebuild keeps the old layout and distributor."""
-    from hf_shampoo import DistributedShampoo
-
-    refuse = {"above": 1}
-
-    def check(plan, group=None, device=None):
-        if len(plan.entries) > refuse["above"]:
-            raise ValueError("DistributedShampoo: refused (test)")
-
-    monkeypatch.setattr(agreement, "check", check)
-    param = torch.nn.Parameter(torch.ones(4, 3))
-    opt = DistributedShampoo([param], lr=0.1)
-    opt.distributor = distributor = _Checked()
-    param.grad = torch.ones(4, 3)
-    opt.step()
-    layout, state = opt._layout, {k: dict(v) for k, v in opt.state_dict()["state"].items()}
-    extra = torch.nn.Parameter(torch.ones(2, 2))
-    with pytest.raises(ValueError, match="refused"):
-        opt.add_param_group({"params": [extra]})
-    assert len(opt.param_groups) == 1 and len(opt._constructed) == 1
-    assert opt._layout is layout and len(layout.plan.entries) == 1 and layout.plan.agreed
-    assert opt.distributor is distributor
-    for index, entry in opt.state_dict()["state"].items():
-        assert all(torch.equal(t, state[index][k]) for k, t in entry.items())
-    # a rebuild (the parameters swapped, as Accelerate does) that is refused
-    refuse["above"] = 0
-    opt.param_groups[0]["params"] = [torch.nn.Parameter(torch.ones(4, 3))]
-    with pytest.raises(ValueError, match="refused"):
-        opt._ensure_layout()
-    assert opt._layout is layout and opt.distributor is distributor

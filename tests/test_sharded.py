@@ -3,7 +3,9 @@ HSDP mesh on 4 ranks, each against one process.
 
 One spawn per mesh runs every scenario of ``sharded_worker.py``; the 3-rank run resumes
 the 2-rank run's checkpoint and the HSDP run the 3-rank one's, through
-``torch.distributed.checkpoint`` and its ``get/set_optimizer_state_dict`` helpers.
+``torch.distributed.checkpoint`` and its ``get/set_optimizer_state_dict`` helpers. The
+planning that needs no process group (shards as boxes, the assignment) is tested in
+tests/test_planning.py.
 """
 
 from __future__ import annotations
@@ -189,101 +191,6 @@ def test_fully_shard_model_with_backward_and_clipping(runs, mesh):
     worker.ddp_worker.train_wrapped(model, opt, x, y)
     for got, want in zip(results[0]["params"], model.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
-
-
-# ----------------------------------------------------------------- planning (no process group)
-def test_row_shards_are_boxes_of_the_merged_view_in_torch_chunk_sizes():
-    from hf_shampoo.blocking import merged_shape
-    from hf_shampoo.distributors.placements import chunk_boxes, merged_box
-
-    def ranges(shape, max_dim, shards):
-        merged = merged_shape(shape, max_dim)
-        return tuple((0, 0) if box is None else merged_box(box, shape, merged)[0]
-                     for box in chunk_boxes(shape, shards))
-
-    assert ranges((5, 4), 32, 3) == ((0, 8), (8, 16), (16, 20))  # merged (20,): elements
-    assert ranges((10, 3, 3, 3), 128, 3) == ((0, 4), (4, 8), (8, 10))  # merged (10, 27)
-    assert ranges((2, 5), 4, 3) == ((0, 1), (1, 2), (0, 0))  # the third shard is empty
-    assert ranges((1, 6), 4, 2) == ((0, 6), (0, 0))  # a dropped size-1 dim 0: one shard
-    for shape in [(7, 3), (12, 5, 2), (9,)]:  # shard sizes are torch.chunk's, in elements
-        for shards in (2, 3, 4):
-            merged = merged_shape(shape, 8)
-            row = torch.Size(shape).numel() // merged[0]
-            sizes = [(b - a) * row for a, b in ranges(shape, 8, shards)]
-            chunks = [c.numel() for c in torch.empty(shape).chunk(shards)]
-            assert sizes[:len(chunks)] == chunks and sum(sizes) == torch.Size(shape).numel()
-
-
-def test_column_shards_of_a_merged_matrix_are_no_box_there():
-    from hf_shampoo.distributors.placements import chunk_boxes, merge_groups, merged_box
-
-    assert merge_groups((10, 3, 3, 3), (10, 27)) == [[0], [1, 2, 3]]
-    assert merge_groups((1, 17, 64), (1, 1088)) == [[0], [1, 2]]
-    # input channels of a conv: a range of its merged columns
-    assert merged_box(chunk_boxes((10, 3, 3, 3), 3, dim=1)[1], (10, 3, 3, 3), (10, 27)) \
-        == ((0, 10), (9, 18))
-    # a column shard of a (5, 4) matrix merged into (20,) is strided there: index cuts
-    assert merged_box(chunk_boxes((5, 4), 2, dim=1)[0], (5, 4), (20,)) is None
-    assert merged_box(((2, 3), (1, 3)), (5, 4), (20,)) == ((9, 11),)  # one row's part
-
-
-def test_overlapping_or_missing_shards_are_refused():
-    from hf_shampoo.distributors.placements import HeldBy
-
-    with pytest.raises(ValueError, match="overlapping"):
-        HeldBy.of((4, 4), [((0, 3), (0, 4)), ((2, 4), (0, 4))], "'w'")
-    with pytest.raises(ValueError, match="hold 8 of its 16 elements"):
-        HeldBy.of((4, 4), [((0, 2), (0, 4)), ((0, 2), (0, 4))], "'w'")
-    held = HeldBy.of((4, 4), [((0, 2), (0, 4)), ((2, 4), (0, 4)), ((0, 2), (0, 4)), None], "w")
-    assert held.ranks == ((0, 2), (1,)) and not held.replicated
-
-
-class _Planner:
-    """The lossless assignment for a simulated 1-D mesh (no process group)."""
-
-    def __init__(self, world):
-        from hf_shampoo.distributors.placements import chunk_boxes
-        from hf_shampoo.distributors.sharded import ShardedDistributor
-
-        self.planner = ShardedDistributor(
-            rank=0, world_size=world,
-            boxes_of=lambda params, names: {i: chunk_boxes(p.shape, world)
-                                            for i, p in params.items()})
-
-    def assign(self, shapes, max_dim):
-        from hf_shampoo.blocking import ParamBlocking
-        from hf_shampoo.distributors import block_cost
-        from hf_shampoo.stack import BlockRef
-
-        blocks = []
-        for i, shape in enumerate(shapes):
-            blocking = ParamBlocking.of(shape, max_dim)
-            one = len(blocking.slices) == 1
-            blocks += [BlockRef(0, i, b, torch.empty(shape), "", blocking.merged,
-                                None if one else sl) for b, sl in enumerate(blocking.slices)]
-        block_shapes = [tuple(s.stop - s.start for s in b.slices) if b.slices else b.merged
-                        for b in blocks]
-        owners = self.planner.assign(blocks, block_shapes)
-        return blocks, owners, [block_cost(s) for s in block_shapes]
-
-
-def test_owners_hold_the_rows_of_aligned_blocks_and_loads_stay_balanced():
-    world = 4
-    blocks, owners, costs = _Planner(world).assign([(64, 16)] * 3 + [(16, 16)] * 4, 16)
-    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
-    assert max(loads) <= 1.1 * sum(costs) / world + max(costs)
-    for block, owner in zip(blocks, owners):
-        if block.merged == (64, 16):  # 16-row blocks on 16-row shards: owned where they live
-            assert owner == block.slices[0].start // 16
-
-
-def test_assignment_is_deterministic_and_spreads_blocks():
-    shapes = [(30, 20), (7,), (50, 3), (8, 8, 8), (100,)]
-    first = _Planner(3).assign(shapes, 8)[1]
-    assert first == _Planner(3).assign(shapes, 8)[1]
-    assert set(first) == {0, 1, 2}
-
-
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_frozen_parameters_sharded_match_one_process(runs, mesh):
     """Frozen parameters get no blocks or state on any rank; one unfrozen at step 3 gets

@@ -18,7 +18,8 @@ from transformers import Trainer, TrainingArguments
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations import transformers as hft
-from tests.test_integration_transformers import dataset, run, tiny_gpt2
+from tests.helpers import run
+from tests.tiny_trainer import dataset, tiny_gpt2
 
 pytestmark = pytest.mark.integrations
 
