@@ -104,9 +104,17 @@ def _replay(stack, calls: list) -> None:
         getattr(target, name)(*args, **kwargs)
 
 
+def _release(pool: ThreadPoolExecutor) -> None:
+    """An optimizer's worker told to end (its pending jobs dropped), never waited for: the
+    garbage collector runs this wherever it runs, inside ``threading``'s own critical
+    sections too (a thread starting holds the lock a join takes: joining there hung a
+    process, found by the generated layouts). The thread ends by itself right after."""
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 class Refresher:
     """Runs the delayed refreshes of one optimizer, one after another, in one worker
-    thread (created at the first refresh, joined when the optimizer goes). With
+    thread (created at the first refresh, told to end when the optimizer goes). With
     ``background=False`` each is computed at once in that thread (the same code and the
     same thread settings, so the same numbers: the reference the background run equals)."""
 
@@ -118,7 +126,7 @@ class Refresher:
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:  # only the stepping thread submits
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_shampoo_refresh")
-            weakref.finalize(self, self._pool.shutdown, True)
+            weakref.finalize(self, _release, self._pool)
         return self._pool
 
     def _side_stream(self, device: torch.device):

@@ -201,15 +201,42 @@ def test_bad_values_are_refused_before_anything_changes():
         make(ps, -1)
 
 
-def test_no_worker_thread_outlives_its_optimizer():
-    def workers():
-        return [t for t in threading.enumerate() if t.name.startswith("hf_shampoo_refresh")]
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("hf_shampoo_refresh")]
 
+
+def test_no_worker_thread_outlives_its_optimizer():
     gc.collect()  # the optimizers of earlier tests (in reference cycles) and their threads
-    before = len(workers())
+    for thread in _workers():
+        thread.join(timeout=10)
+    before = set(_workers())
     train(2, KINDS["shampoo"], steps=6)
-    gc.collect()
-    assert len(workers()) == before
+    gc.collect()  # told to end, not waited for: each ends by itself
+    for thread in set(_workers()) - before:
+        thread.join(timeout=10)
+    assert set(_workers()) <= before
+
+
+def test_collecting_an_optimizer_never_waits_for_its_worker():
+    """The garbage collector may finalize an optimizer inside ``threading``'s critical
+    sections (a thread being started holds ``_shutdown_locks_lock``, which a join takes):
+    collecting one there must not join its worker. Once that join hung a rank."""
+    opt = DistributedShampoo([torch.nn.Parameter(torch.randn(6, 5, generator=generator(0)))],
+                             lr=0.01, precondition_frequency=2, start_preconditioning_step=2,
+                             refresh_delay=1, distributed="none")
+    for _ in range(3):
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.randn(p.shape, generator=generator(1))
+        opt.step()
+    assert _workers()
+    del opt, p
+    collector = threading.Thread(target=gc.collect, daemon=True)  # starts without the lock
+    with threading._shutdown_locks_lock:  # what a starting thread holds
+        collector.start()
+        collector.join(timeout=20)
+        stuck = collector.is_alive()
+    collector.join()
+    assert not stuck, "collecting the optimizer waited for its worker thread"
 
 
 def test_the_worker_leaves_the_thread_count_alone(monkeypatch):
