@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_shampoo import DistributedShampoo, eigenbasis
 from hf_shampoo.blocking import ParamBlocking
@@ -53,6 +54,27 @@ def arguments(doc: str, **defaults) -> argparse.ArgumentParser:
     for name, default in defaults.items():
         parser.add_argument(f"--{name}", default=default, **OPTIONS[name])
     return parser
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts the non-view ATen operators dispatched inside it (``operators``): on a GPU
+    each is a kernel launch, so the count is the CPU proxy for a step's launch overhead.
+    ``where`` names the part of the step being counted (``by_part``), for callers that
+    tell parts apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where = "step"
+        self.by_part: dict[str, int] = {}
+
+    @property
+    def operators(self) -> int:
+        return sum(self.by_part.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.by_part[self.where] = self.by_part.get(self.where, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def build_model(name: str) -> torch.nn.Module:

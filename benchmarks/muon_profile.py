@@ -21,26 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import command_line, hardware, median
+from benchmarks.common import OperatorCount, command_line, hardware, median
 from hf_shampoo import orthogonalization
 from hf_shampoo.preconditioners import spectral_descent
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inside = False
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops["newton_schulz" if self.inside else "rest"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _Timed:
@@ -48,18 +34,18 @@ class _Timed:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.count: _Count | None = None
+        self.count: OperatorCount | None = None
         self.original = spectral_descent.newton_schulz
 
     def __call__(self, *args, **kwargs):
         start = time.perf_counter()
         if self.count is not None:
-            self.count.inside = True
+            self.count.where = "newton_schulz"
         try:
             return self.original(*args, **kwargs)
         finally:
             if self.count is not None:
-                self.count.inside = False
+                self.count.where = "rest"
             self.seconds += time.perf_counter() - start
 
 
@@ -108,7 +94,8 @@ def main(argv=None) -> None:
         for stacking in ("balanced", "fused"):
             model, optimizer = _trainer_optimizer(stacking)
             optimizer.step()  # lays out and allocates
-            count = _Count()
+            count = OperatorCount()
+            count.where = "rest"
             timed.count = count
             with count:
                 optimizer.step()
@@ -121,11 +108,11 @@ def main(argv=None) -> None:
                 totals.append(time.perf_counter() - start)
                 inside.append(timed.seconds)
             step, ns = median(totals), median(inside)
-            ops = count.ops["newton_schulz"] + count.ops["rest"]
+            ns_ops = count.by_part.get("newton_schulz", 0)
+            rest_ops = count.by_part.get("rest", 0)
             stacks = len(optimizer._ensure_layout().stacks)
             print(f"| {stacking} | {stacks} | {step:.3f} | {ns:.3f} | {step - ns:.3f} | "
-                  f"{count.ops['newton_schulz']} / {count.ops['rest']} | "
-                  f"{ops * per_op * 1e3:.1f} |", flush=True)
+                  f"{ns_ops} / {rest_ops} | {count.operators * per_op * 1e3:.1f} |", flush=True)
             del model, optimizer
     assert orthogonalization.newton_schulz is timed.original
 

@@ -17,23 +17,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import build_model, hardware, load_average, median, timed_once
+from benchmarks.common import OperatorCount, build_model, hardware, load_average, median, timed_once
 from hf_shampoo import DistributedShampoo, stacking
 
 F = 100_000
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model(name: str, layers: int | None) -> torch.nn.Module:
@@ -103,9 +91,9 @@ def main(argv=None) -> None:
             whole, whole_step = _optimizer(args.model, 0, CONFIGS[name], True, layers)
             counts = []
             for step in (rule_step, whole_step):
-                with _Count() as count:
+                with OperatorCount() as count:
                     step()
-                counts.append(count.ops)
+                counts.append(count.operators)
             times: dict[str, list[float]] = {"rule": [], "whole": []}
             for _ in range(args.steps):
                 times["rule"].append(timed_once(rule_step))

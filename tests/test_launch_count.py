@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import OperatorCount
 from hf_shampoo import DistributedShampoo, make_optimizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.unit
 
 F = 1000  # one refresh at step F, then steady steps
-
-
-class _CountOperators(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.operators = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.operators += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _gpt2(layers: int) -> torch.nn.Module:
@@ -67,7 +56,7 @@ def _steady_step_operators(kind: str, layers: int, stacking: str) -> int:
         group["step"] = F - 1  # the next step refreshes; the ones after are steady
     step()
     step()
-    with _CountOperators() as count:
+    with OperatorCount() as count:
         step()
     return count.operators
 
