@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -135,73 +136,57 @@ class _Block:
         self.momentum = z()  # B
 
 
+#: The settings the reference reads and the value each takes when a call leaves it out
+#: (``test_reference_defaults_are_the_optimizers`` holds them equal to the keyword table's).
+DEFAULTS: dict[str, Any] = {
+    "lr": 1e-2, "betas": (0.9, 1.0), "beta3": None, "epsilon": 1e-12, "momentum": 0.0,
+    "dampening": 0.0, "nesterov": False, "weight_decay": 0.0,
+    "weight_decay_type": "decoupled", "use_bias_correction": True,
+    "max_preconditioner_dim": 1024, "precondition_frequency": 1,
+    "start_preconditioning_step": None, "preconditioner": "shampoo",
+    "eigendecomposition": "eigh", "eigenbasis_tolerance": 0.0, "qr_max_iterations": 1,
+    "eigenbasis_variant": "meta", "inverse_exponent_override": None, "grafting": None,
+    "grafting_beta2": 0.999, "grafting_epsilon": 1e-8, "rank_deficient": "perturbation",
+    "rank_atol": 0.0, "rank_rtol": 0.0,
+}
+
+
 class ReferenceShampoo:
-    def __init__(
-        self,
-        param: Tensor,
-        lr: float = 1e-2,
-        betas: tuple[float, float] = (0.9, 1.0),
-        beta3: float | None = None,
-        epsilon: float = 1e-12,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        weight_decay_type: str = "decoupled",
-        use_bias_correction: bool = True,
-        max_preconditioner_dim: int = 1024,
-        precondition_frequency: int = 1,
-        start_preconditioning_step: int | None = None,
-        preconditioner: str = "shampoo",
-        eigendecomposition: str = "eigh",
-        eigenbasis_tolerance: float = 0.0,
-        qr_max_iterations: int = 1,
-        eigenbasis_variant: str = "meta",
-        inverse_exponent_override: dict | None = None,
-        grafting: str | None = None,
-        grafting_beta2: float = 0.999,
-        grafting_epsilon: float = 1e-8,
-        name: str = "param",
-        schedule_offset: int = 0,
-        rank_deficient: str = "perturbation",
-        rank_atol: float = 0.0,
-        rank_rtol: float | None = 0.0,
-    ):
+    """One parameter's run: ``settings`` are the optimizer's keywords it models (``DEFAULTS``);
+    ``name`` is used in errors; ``schedule_offset`` runs the refresh schedule that many steps
+    late (``refresh_schedule="staggered"``; bias corrections still use the true step)."""
+
+    def __init__(self, param: Tensor, name: str = "param", schedule_offset: int = 0,
+                 **settings: Any):
+        unknown = sorted(set(settings) - set(DEFAULTS))
+        if unknown:
+            raise TypeError(f"ReferenceShampoo does not model {unknown}")
+        s = {**DEFAULTS, **settings}
         self.param = param.detach().clone().to(torch.float64)
-        self.lr = lr
-        self.peak_lr = lr
-        self.beta1, self.beta2 = betas
-        self.beta3 = self.beta1 if beta3 is None else beta3
-        self.eps = epsilon
-        self.mu = momentum
-        self.dampening = dampening
-        self.nesterov = nesterov
-        self.wd = weight_decay
-        self.wd_type = weight_decay_type
-        self.bias_correction = use_bias_correction
-        self.f = precondition_frequency
-        self.s = (
-            precondition_frequency
-            if start_preconditioning_step is None
-            else start_preconditioning_step
-        )
+        self.lr = self.peak_lr = s["lr"]
+        self.beta1, self.beta2 = s["betas"]
+        self.beta3 = self.beta1 if s["beta3"] is None else s["beta3"]
+        self.eps = s["epsilon"]
+        self.mu, self.dampening, self.nesterov = s["momentum"], s["dampening"], s["nesterov"]
+        self.wd, self.wd_type = s["weight_decay"], s["weight_decay_type"]
+        self.bias_correction = s["use_bias_correction"]
+        self.f = s["precondition_frequency"]
+        start = s["start_preconditioning_step"]
+        self.s = self.f if start is None else start
         assert self.s >= self.f
-        self.preconditioner = preconditioner
-        self.eigendecomposition = eigendecomposition
-        self.tol = eigenbasis_tolerance
-        self.qr_iters = qr_max_iterations
-        self.variant = eigenbasis_variant
-        self.override = inverse_exponent_override or {}
-        self.grafting_type = grafting
-        self.gb2 = grafting_beta2
-        self.geps = grafting_epsilon
+        self.preconditioner = s["preconditioner"]
+        self.eigendecomposition = s["eigendecomposition"]
+        self.tol, self.qr_iters = s["eigenbasis_tolerance"], s["qr_max_iterations"]
+        self.variant = s["eigenbasis_variant"]
+        self.override = s["inverse_exponent_override"] or {}
+        self.grafting_type = s["grafting"]
+        self.gb2, self.geps = s["grafting_beta2"], s["grafting_epsilon"]
         self.name = name
-        # refresh_schedule="staggered": the schedule (start step, refreshes) runs this many
-        # steps late; bias corrections still use the true step count t
         self.offset = schedule_offset
         # note 3: "pseudo_inverse" drops the eigenvalues at or below the rank cutoff
-        self.pseudo_inverse = rank_deficient == "pseudo_inverse"
-        self.rank_atol, self.rank_rtol = rank_atol, rank_rtol
+        self.pseudo_inverse = s["rank_deficient"] == "pseudo_inverse"
+        self.rank_atol, self.rank_rtol = s["rank_atol"], s["rank_rtol"]
+        max_preconditioner_dim = s["max_preconditioner_dim"]
         self.t = 0
         # counters, so that tests can check that a case exercises what it claims to
         self.stats = {"eigh": 0, "qr_steps": 0, "skipped": 0, "permuted": 0}

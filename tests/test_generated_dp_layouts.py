@@ -20,8 +20,10 @@ from the clock; ``HF_SHAMPOO_LAYOUT_CASES`` scales how many (and adds world 8 ab
   boundaries: inside rows and parameters, on parameter boundaries, empty partitions, ranks
   with several parameters; ``step()`` shown one group at a time or all at once. Checked:
   parameters equal to one process's, the state held once.
-- **flat_range_boxes** (``distributors/placements.py``): boxes of drawn ranges of drawn
-  shapes tile the range exactly, in order, each contiguous in row-major order.
+
+The single-process check of ``flat_range_boxes`` that was here is in
+tests/test_placement_boxes.py; ``test_refusals_met_while_drawing_are_documented`` stays: it
+reports what this module's drawing met.
 
 One ``mp.spawn`` per world size runs all its cases (tests/generated_dp_worker.py); only the
 cases selected (``-k``) are run.
@@ -29,7 +31,6 @@ cases selected (``-k``) are run.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import shutil
@@ -40,7 +41,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hf_shampoo.distributors.placements import flat_range_boxes
 from tests import generated_dp_worker as worker
 from tests import layout_cases as lc
 from tests.helpers import one_thread_per_process
@@ -217,40 +217,6 @@ def test_zero_case(runs, case_id):
     state held once."""
     seed, case = ZERO[case_id]
     assert_case(runs, "test_zero_case", "zero", case_id, seed, case)
-
-
-# ------------------------------------------------------------------ flat_range_boxes
-def draw_range(rng: random.Random) -> tuple[tuple[int, ...], int, int]:
-    order = rng.choice([0, 1, 2, 3, 4, 5])
-    shape = tuple(rng.choice([1, 1, 2, 3, 4, 5, 7]) for _ in range(order))
-    numel = math.prod(shape)
-    lo = rng.randint(0, numel)
-    return shape, lo, rng.randint(lo, numel)
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_flat_range_boxes_tile_the_range_in_order(seed):
-    """For drawn shapes (0-d to 5-d, size-1 dims) and ranges ``[lo, hi)``: the boxes are
-    non-empty, each contiguous in row-major order, starting where the previous one ended
-    (their offsets in the range count up from 0), and together exactly the range."""
-    rng = random.Random(f"boxes-{seed}")
-    for draw in range(lc.scaled(1500)):
-        shape, lo, hi = draw_range(rng)
-        where = f"seed {seed} draw {draw}: shape {shape}, range [{lo}, {hi})"
-        positions = torch.arange(math.prod(shape)).view(shape)
-        at = lo
-        boxes = flat_range_boxes(shape, lo, hi)
-        for box, offset in boxes:
-            assert len(box) == len(shape), where
-            assert all(0 <= a < b <= n for (a, b), n in zip(box, shape)), (where, box)
-            assert offset == at - lo, (where, box, offset)
-            flat = positions[tuple(slice(a, b) for a, b in box)].reshape(-1)
-            assert flat.numel() > 0, (where, box)
-            assert torch.equal(flat, torch.arange(at, at + flat.numel())), (where, box)
-            at += flat.numel()
-        assert at == hi, (where, boxes)
-        # a partial leading row, whole rows, a partial trailing row, at each depth
-        assert len(boxes) <= max(1, 2 * len(shape) - 1), (where, boxes)
 
 
 def test_refusals_met_while_drawing_are_documented():

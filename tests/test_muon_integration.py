@@ -14,15 +14,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.integrations import transformers as hft
 from hf_shampoo.integrations.modules import WHOLE_MATRIX, describe, describe_rows, make_optimizer
-from tests.tiny_trainer import (
-    WORKER_ARGS,
-    dataset,
-    group_of,
-    shampoo_of,
-    tiny_gpt2,
-    train_and_resume,
-    training_args,
-)
+from tests import tiny_trainer as tiny
 
 pytestmark = pytest.mark.integrations
 
@@ -45,20 +37,20 @@ def kinds(optimizer: DistributedShampoo) -> dict[str, str]:
 def check_muon_groups(optimizer: DistributedShampoo, beta1: float) -> None:
     found = kinds(optimizer)
     for name in HIDDEN:
-        group = group_of(optimizer, name)
+        group = tiny.group_of(optimizer, name)
         assert found[name] == "spectral_descent"
         assert group["grafting"] is None and group["max_preconditioner_dim"] == WHOLE_MATRIX
         assert group["beta3"] == pytest.approx(beta1**2)  # Nesterov
         assert group["spectral_lr_adjustment"] == "match_rms_adamw"
     for name in ADAM:
-        group = group_of(optimizer, name)
+        group = tiny.group_of(optimizer, name)
         assert found[name] == "diagonal" and group["grafting"] == "adam"
     # every parameter is in exactly one of the two kinds
     assert set(found.values()) == {"spectral_descent", "diagonal"}
 
 
 def test_preset_splits_matrices_from_the_rest_and_describe_shows_it():
-    model = tiny_gpt2()
+    model = tiny.tiny_gpt2()
     optimizer = make_optimizer(model, preset="muon", lr=1e-3, betas=(0.95, 0.999),
                                weight_decay=0.1)
     check_muon_groups(optimizer, 0.95)
@@ -72,16 +64,16 @@ def test_preset_splits_matrices_from_the_rest_and_describe_shows_it():
     assert "spectral_descent" in text and "diagonal" in text
     # one training step moves every parameter
     before = [p.detach().clone() for p in model.parameters()]
-    batch = dataset(2)[0]["input_ids"][None]
+    batch = tiny.dataset(2)[0]["input_ids"][None]
     model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_preset_keeps_what_the_user_set():
-    optimizer = make_optimizer(tiny_gpt2(), preset="muon", beta3=0.9,
+    optimizer = make_optimizer(tiny.tiny_gpt2(), preset="muon", beta3=0.9,
                                spectral_lr_adjustment="original")
-    group = group_of(optimizer, HIDDEN[0])
+    group = tiny.group_of(optimizer, HIDDEN[0])
     assert group["beta3"] == 0.9 and group["spectral_lr_adjustment"] == "original"
 
 
@@ -100,12 +92,12 @@ def test_preset_gives_conv_kernels_out_by_rest_matrices():
 
 
 def test_trainer_by_name_distributed_muon(tmp_path, caplog):
-    args = training_args(tmp_path, optim="distributed_muon", learning_rate=3e-3,
+    args = tiny.training_args(tmp_path, optim="distributed_muon", learning_rate=3e-3,
                          adam_beta1=0.9, weight_decay=0.1)
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    trainer = Trainer(model=tiny.tiny_gpt2(), args=args, train_dataset=tiny.dataset())
     assert "ShampooCheckpointCallback" in [type(c).__name__
                                           for c in trainer.callback_handler.callbacks]
-    optimizer = shampoo_of(trainer)
+    optimizer = tiny.shampoo_of(trainer)
     check_muon_groups(optimizer, 0.9)
     # the Shampoo fine-tuning defaults mean nothing to Muon's kinds: not set
     for group in optimizer.param_groups:
@@ -122,27 +114,28 @@ def test_muon_warm_up_is_accepted_as_documented(tmp_path):
     """``start_preconditioning_step >= 1`` is valid for Muon (no hidden
     ``precondition_frequency=50`` refuses it); under the preset no group has a grafting
     method to warm up with, and the Trainer says so."""
-    args = training_args(tmp_path, optim="distributed_muon",
+    args = tiny.training_args(tmp_path, optim="distributed_muon",
                          optim_args="start_preconditioning_step=10")
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset())
+    trainer = Trainer(model=tiny.tiny_gpt2(), args=args, train_dataset=tiny.dataset())
     with pytest.warns(UserWarning, match="'start_preconditioning_step'.*change nothing"):
-        optimizer = shampoo_of(trainer)
-    assert group_of(optimizer, HIDDEN[0])["start_preconditioning_step"] == 10
+        optimizer = tiny.shampoo_of(trainer)
+    assert tiny.group_of(optimizer, HIDDEN[0])["start_preconditioning_step"] == 10
     # with Adam grafting on the matrices, the warm-up acts and nothing is reported
-    args = training_args(tmp_path, optim="distributed_muon",
+    args = tiny.training_args(tmp_path, optim="distributed_muon",
                          optim_args="start_preconditioning_step=10,*.h.*@grafting=adam")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
-    assert group_of(optimizer, HIDDEN[0])["grafting"] == "adam"
+        optimizer = tiny.shampoo_of(
+            Trainer(model=tiny.tiny_gpt2(), args=args, train_dataset=tiny.dataset()))
+    assert tiny.group_of(optimizer, HIDDEN[0])["grafting"] == "adam"
 
 
 def test_optim_args_preset_muon_builds_the_same_groups(tmp_path):
-    by_name = shampoo_of(Trainer(model=tiny_gpt2(), args=training_args(
-        tmp_path, optim="distributed_muon"), train_dataset=dataset()))
-    by_args = shampoo_of(Trainer(model=tiny_gpt2(), args=training_args(
+    by_name = tiny.shampoo_of(Trainer(model=tiny.tiny_gpt2(), args=tiny.training_args(
+        tmp_path, optim="distributed_muon"), train_dataset=tiny.dataset()))
+    by_args = tiny.shampoo_of(Trainer(model=tiny.tiny_gpt2(), args=tiny.training_args(
         tmp_path, optim="distributed_shampoo", optim_args="preset=muon"),
-        train_dataset=dataset()))
+        train_dataset=tiny.dataset()))
     assert kinds(by_name) == kinds(by_args)
 
 
@@ -152,8 +145,9 @@ def test_command_line_distributed_muon(tmp_path):
          "--optim_args", "newton_schulz_iterations=6,spectral_lr_adjustment=original,"
          "newton_schulz_dtype=bf16,newton_schulz_coefficients=(3;-3.2;1.2)",
          "--report_to", "none"])
-    optimizer = shampoo_of(Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset()))
-    group = group_of(optimizer, HIDDEN[0])
+    optimizer = tiny.shampoo_of(
+        Trainer(model=tiny.tiny_gpt2(), args=args, train_dataset=tiny.dataset()))
+    group = tiny.group_of(optimizer, HIDDEN[0])
     assert group["preconditioner"] == "spectral_descent"
     assert group["newton_schulz_iterations"] == 6
     assert group["spectral_lr_adjustment"] == "original"
@@ -163,19 +157,19 @@ def test_command_line_distributed_muon(tmp_path):
 
 def test_bad_muon_optim_args_fail_when_the_trainer_is_built(tmp_path):
     with pytest.raises(ValueError, match="spectral_lr_adjustment"):
-        Trainer(model=tiny_gpt2(), args=training_args(
+        Trainer(model=tiny.tiny_gpt2(), args=tiny.training_args(
             tmp_path, optim="distributed_muon", optim_args="spectral_lr_adjustment=rms"),
-            train_dataset=dataset())
+            train_dataset=tiny.dataset())
 
 
-MUON_ARGS = [a if a != "distributed_shampoo" else "distributed_muon" for a in WORKER_ARGS]
+MUON_ARGS = [a if a != "distributed_shampoo" else "distributed_muon" for a in tiny.WORKER_ARGS]
 
 
 def test_unmodified_script_resumes_muon_exactly(tmp_path):
-    result = train_and_resume(tmp_path, MUON_ARGS, 1)
+    result = tiny.train_and_resume(tmp_path, MUON_ARGS, 1)
     assert result["losses_a"]["8"] < result["losses_a"]["1"]
 
 
 @pytest.mark.slow
 def test_two_ranks_muon_trainer_checkpoint_resumes_exactly(tmp_path):
-    train_and_resume(tmp_path, MUON_ARGS, 2)
+    tiny.train_and_resume(tmp_path, MUON_ARGS, 2)

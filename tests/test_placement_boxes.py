@@ -6,6 +6,9 @@ parallel shard) for its uneven strided shards, and the boxes tiling the tensor.
 The boxes are also checked against real local shards, with processes: FSDP2 over tensor
 parallel in ``tests/test_generated_layouts.py`` (each model case compares every rank's box
 with where its shard's values lie) and ``tests/test_parallel.py``.
+
+Also ZeRO's flat ranges as boxes (``placements.flat_range_boxes``, moved here from
+tests/test_generated_dp_layouts.py): on the fixed seed and one fresh seed a run, as there.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hf_shampoo.distributors.placements import placement_box
+from hf_shampoo.distributors.placements import flat_range_boxes, placement_box
+from tests import layout_cases as lc
 
 pytestmark = pytest.mark.unit
 
@@ -120,3 +124,37 @@ def test_boxes_tile_the_tensor_once_per_replica(seed):
             if box is not None:
                 covered[tuple(slice(lo, hi) for lo, hi in box)] += 1
         assert bool((covered == replicas).all()), (shape, mesh, placements)
+
+
+# ------------------------------------------------------------------ flat_range_boxes
+def draw_range(rng: random.Random) -> tuple[tuple[int, ...], int, int]:
+    order = rng.choice([0, 1, 2, 3, 4, 5])
+    shape = tuple(rng.choice([1, 1, 2, 3, 4, 5, 7]) for _ in range(order))
+    numel = math.prod(shape)
+    lo = rng.randint(0, numel)
+    return shape, lo, rng.randint(lo, numel)
+
+
+@pytest.mark.parametrize("seed", lc.seeds())
+def test_flat_range_boxes_tile_the_range_in_order(seed):
+    """For drawn shapes (0-d to 5-d, size-1 dims) and ranges ``[lo, hi)``: the boxes are
+    non-empty, each contiguous in row-major order, starting where the previous one ended
+    (their offsets in the range count up from 0), and together exactly the range."""
+    rng = random.Random(f"boxes-{seed}")
+    for draw in range(lc.scaled(1500)):
+        shape, lo, hi = draw_range(rng)
+        where = f"seed {seed} draw {draw}: shape {shape}, range [{lo}, {hi})"
+        positions = torch.arange(math.prod(shape)).view(shape)
+        at = lo
+        boxes = flat_range_boxes(shape, lo, hi)
+        for box, offset in boxes:
+            assert len(box) == len(shape), where
+            assert all(0 <= a < b <= n for (a, b), n in zip(box, shape)), (where, box)
+            assert offset == at - lo, (where, box, offset)
+            flat = positions[tuple(slice(a, b) for a, b in box)].reshape(-1)
+            assert flat.numel() > 0, (where, box)
+            assert torch.equal(flat, torch.arange(at, at + flat.numel())), (where, box)
+            at += flat.numel()
+        assert at == hi, (where, boxes)
+        # a partial leading row, whole rows, a partial trailing row, at each depth
+        assert len(boxes) <= max(1, 2 * len(shape) - 1), (where, boxes)

@@ -6,8 +6,9 @@ docs/design.md §1 (blocking), §2 (one step), §3 (eigenvalue correction, QR re
 import pytest
 import torch
 
+from hf_shampoo import config
 from tests.helpers import F64, generator, random_tensors, run_against_reference
-from tests.reference_shampoo import ReferenceShampoo
+from tests.reference_shampoo import DEFAULTS, ReferenceShampoo
 
 pytestmark = [pytest.mark.reference, pytest.mark.device]
 
@@ -16,6 +17,15 @@ BASE = {"lr": 0.1, "epsilon": 1e-6, "max_preconditioner_dim": 8}
 
 
 # ------------------------------------------------------------ the reference itself
+
+
+def test_reference_defaults_are_the_optimizers():
+    """A setting a test leaves out means the same on both sides: the reference's defaults
+    are the keyword table's (the reference shares no code with the package, so it keeps its
+    own copy)."""
+    assert {k: config.TABLE[k].default for k in DEFAULTS} == DEFAULTS
+    with pytest.raises(TypeError, match="does not model"):
+        ReferenceShampoo(torch.zeros(2), refresh_delay=1)
 
 
 def test_reference_first_step_closed_form():
