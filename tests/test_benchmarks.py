@@ -36,7 +36,11 @@ The tests that do not fit that shape follow, per benchmark:
   is changed;
 - ``sketchy_step_time.py``'s mean step over a refresh period is built from the measured steps
   (``mean_step``);
-- ``step_time.py`` refuses a bad ``--device`` before anything is built.
+- ``step_time.py`` refuses a bad ``--device`` before anything is built;
+- ``other_kernels.py``: on every set of kernels it runs (the default ones and MKL's other
+  code paths, ``make test-other-blas``), a vector of 31 elements ends bit for bit the same
+  beside a second one as alone (on MKL's SSE4.2 path it moved by 1.1e-4 before the stacking
+  rule); on a torch without MKL the other rows run the default kernels.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import batch_invariance, end_to_end
+from benchmarks import batch_invariance, end_to_end, other_kernels
 from benchmarks.quantization_accuracy import LosslessStorage
 from benchmarks.sketchy_step_time import mean_step
 from hf_shampoo import DistributedShampoo, quantization
@@ -416,3 +420,8 @@ def test_sketchy_mean_step_weights_each_kind_of_step_over_a_period():
     assert mean_step(runner) == pytest.approx((7.0 + 1 * 2.0 + 8 * 1.0) / 10)
     runner = SimpleNamespace(frequency=10, every=1, steady=[2.0], skipped=[], refresh=[7.0])
     assert mean_step(runner) == pytest.approx((7.0 + 9 * 2.0) / 10)
+
+
+@pytest.mark.parametrize("kernels", list(other_kernels.KERNELS))
+def test_other_kernels_a_vector_does_not_move_beside_another(kernels):
+    assert other_kernels.moved(other_kernels.ROOT, other_kernels.KERNELS[kernels], [31]) == [0.0]
