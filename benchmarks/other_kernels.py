@@ -9,9 +9,9 @@ block was computed in a stack of two instead of one, and a library that rounds a
 its size moved it (a rank-deficient root amplifies one ulp).
 
 Each row runs the case in a fresh process on one set of kernels: the default ones, MKL's
-AVX2 and SSE4.2 code paths with ATen's matching ones (``MKL_ENABLE_INSTRUCTIONS``,
-``ATEN_CPU_CAPABILITY``: what ``make test-other-blas`` uses), which batch differently from
-the default ones as another CPU's library does. ``--tree`` runs another checkout (an older
+AVX2 and SSE4.2 code paths (``MKL_ENABLE_INSTRUCTIONS``; the SSE4.2 one is what ``make
+test-other-blas`` uses), which may batch differently from the default ones as another CPU's
+library does. ``--tree`` runs another checkout (an older
 commit, to see the proxy find what an AMD EPYC found):
 
     python -m benchmarks.other_kernels
@@ -31,9 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 KERNELS = {
     "default": {},
-    "MKL AVX2, ATen avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
-    "MKL SSE4.2, ATen scalar": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-                                "ATEN_CPU_CAPABILITY": "default"},
+    "MKL AVX2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "MKL SSE4.2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 
 SIZES = (5, 16, 17, 31, 130)

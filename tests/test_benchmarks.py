@@ -40,7 +40,7 @@ The tests that do not fit that shape follow, per benchmark:
 - ``other_kernels.py``: on every set of kernels it runs (the default ones and MKL's other
   code paths, ``make test-other-blas``), a vector of 31 elements ends bit for bit the same
   beside a second one as alone (on MKL's SSE4.2 path it moved by 1.1e-4 before the stacking
-  rule); on a torch without MKL the other rows run the default kernels.
+  rule); on a torch without MKL every row runs the default kernels.
 """
 
 from __future__ import annotations
