@@ -7,8 +7,9 @@ staggered refreshes, the refreshes of each step. The parameters and their blocks
 recorded in an ``agreement.Plan``, checked alike on every rank before the layout's first
 collective (``LayoutBuilder.agreed``). ``LayoutBuilder`` reads only what it is given: the
 param groups, the distributor, ``assignment_cost`` and the parameters by ``param_index``;
-what it builds is ``step.Layout``, what a step's stages work on. ``checkpoint/layout.py``
-is the state of such a layout on disk, by block identity, which no layout here changes.
+what it builds is ``step.Layout``, what a step's stages work on. This module builds the
+layout in memory; ``checkpoint/layout.py`` is how a layout's state is stored on disk, by
+block identity.
 """
 
 from __future__ import annotations
