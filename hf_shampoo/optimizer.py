@@ -1,17 +1,16 @@
 """``DistributedShampoo``: the public optimizer class.
 
 The class validates hyperparameters and param groups, lays parameters out as blocks and
-stacks (``blocking.py``, ``stack.py``) owned by ranks (``distributors/``), keeps torch's
-optimizer API (``step``, ``state_dict`` / ``load_state_dict`` in ``checkpoint/``'s layout)
-and runs a step as the named stages of ``step.py``, so that nothing is half-done.
+stacks owned by ranks on first use (``layout.py`` builds them), keeps torch's optimizer
+API (``step``, ``state_dict`` / ``load_state_dict`` in ``checkpoint/``'s layout) and
+runs a step as the named stages of ``step.py``, so that nothing is half-done.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections import ChainMap
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, overload
 
@@ -19,23 +18,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, delayed_refresh, health, matmul_precision, stacking, step
-from .blocking import ParamBlocking, expert_shape, is_vector_like
+from . import averaging, delayed_refresh, health, step
+from .blocking import expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
 from .config import (
     DEFAULTS,
     GLOBAL_KEYS,
-    RUNTIME_KEYS,
-    TABLE,
-    is_elongated,
-    keyword_acts,
     refuse_unknown_keywords,
     validate_group,
-    vector_settings,
 )
 from .delayed_refresh import Refresher
-from .distributors import Distributor, agreement, make_distributor
+from .distributors import Distributor, make_distributor
 from .distributors.collectives import collective_device
 from .distributors.groups import group_over, ranks_of
 from .distributors.zero import (
@@ -43,8 +37,9 @@ from .distributors.zero import (
     find_zero_partitions,
     refuse_deepspeed_fp16_stage0,
 )
+from .layout import LayoutBuilder, trainable
 from .preconditioners import kind_of
-from .stack import BlockRef, BlockStack, Workspace
+from .stack import BlockStack, Workspace
 from .state_view import StateView
 from .step import Layout
 
@@ -351,7 +346,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         if self._layout is not None:
             try:
                 self._layout = None if not any(s.state for s in self._layout.owned) else \
-                    self._extend_layout(self._layout, self._trainable())
+                    self._layout_builder().extend(self._layout, trainable(self._all_params()))
             except BaseException:  # e.g. ranks that added different groups: none added
                 self.param_groups.pop()
                 if self._constructed is not None:
@@ -437,180 +432,21 @@ class DistributedShampoo(torch.optim.Optimizer):
         names = self.param_groups[gi].get("param_names")
         return names[k] if names else f"group {gi} param {k} (shape {tuple(param.shape)})"
 
-    def _trainable(self) -> list[int]:
-        """``param_index`` of the parameters that get blocks and state: those that require
-        a gradient or have one. A frozen parameter (``requires_grad=False``, no gradient)
-        gets nothing, as torch's optimizers give it no state, until it has one. Every rank
-        agrees without communicating: the model's code decides ``requires_grad``."""
-        seen: set[int] = set()
-        trainable = []
-        for i, (_, _, p) in enumerate(self._param_refs()):
-            if id(p) in seen:
-                continue  # a tensor listed twice is one parameter, as in torch
-            seen.add(id(p))
-            if p.requires_grad or p.grad is not None:
-                trainable.append(i)
-        return trainable
-
-    def _blocks(self, indices: Iterable[int]) -> tuple[dict, list[BlockRef]]:
-        blockings, blocks = {}, []
-        refs = self._param_refs()
-        for index in indices:
-            gi, _, param = refs[index]
-            group = self._param_settings(self.param_groups[gi], param)
-            name = self.param_name(index)
-            shape = self._distributor.blocking_shape(param)
-            experts = group["experts"]  # dim 0: independent matrices, blocked one by one
-            blocking = ParamBlocking.of(shape, group["max_preconditioner_dim"],
-                                        kind_of(group).matrix_blocks
-                                        or is_elongated(expert_shape(shape, experts), group),
-                                        experts)
-            blockings[index] = blocking
-            single = len(blocking.slices) == 1
-            blocks += [
-                BlockRef(gi, index, b, param, name, blocking.merged, None if single else sl)
-                for b, sl in enumerate(blocking.slices)
-            ]
-        return blockings, blocks
-
-    @staticmethod
-    def _vector_overrides(group: Mapping, param: Tensor) -> dict:
-        """``vector_preconditioner``'s settings for a vector-like parameter (one expert's
-        shape for fused experts), nothing for the others."""
-        vector = is_vector_like(expert_shape(param.shape, group["experts"]))
-        return vector_settings(group) if vector else {}
-
-    @classmethod
-    def _param_settings(cls, group: dict, param: Tensor) -> Mapping:
-        """A parameter's hyperparameters: its group's, with ``vector_preconditioner``'s
-        settings on top for a vector-like parameter."""
-        overrides = cls._vector_overrides(group, param)
-        return ChainMap(overrides, group) if overrides else group
-
-    def _make_stacks(self, blocks: list[BlockRef], blockings: dict, plan: agreement.Plan
-                     ) -> tuple[list[BlockStack], agreement.Plan]:
-        """The blocks' stacks, each block given its owner, and ``plan`` with the blocks'
-        parameters (``_planned``)."""
-        shapes = [blockings[b.param_index].block_shapes[b.block_index] for b in blocks]
-        kinds: list[tuple] = []  # per block: what its stack is made of, but the owner
-        for block, shape in zip(blocks, shapes):
-            group = self.param_groups[block.group_index]
-            matmul_precision.check(group, block.param.device)
-            wide = torch.float64 in (block.param.dtype, group["factor_matrix_dtype"])
-            work_dtype = torch.float64 if wide else torch.float32
-            overrides = self._vector_overrides(group, block.param)
-            kinds.append((block.group_index, shape, block.param.device, work_dtype,
-                          tuple(sorted(overrides.items()))))
-        # what each block costs its owner, as its kind holds and computes it
-        cost, priced = self.defaults["assignment_cost"], {}
-        for kind in set(kinds):
-            gi, shape, _, work_dtype, overrides = kind
-            probe = BlockStack(gi, shape, [], work_dtype, overrides=dict(overrides))
-            priced[kind] = probe.assignment_cost(probe.settings(self.param_groups), cost)
-        costs = [priced[k] for k in kinds]
-        plan = self._planned(plan, blocks, kinds, costs)
-        slots = self._refresh_slots(blocks, shapes, kinds)
-        # stacks cut by a rule of the blocks alone: every layout computes each block in
-        # the same call beside the same blocks (stacking.py); owners get whole stacks
-        groups = self.param_groups
-        units = stacking.chunks(
-            kinds, shapes, lambda kind: groups[kind[0]]["stacking"] == stacking.FUSED)
-        owners = self._distributor.assign(blocks, shapes, costs, slots=slots, units=units)
-        stacks = []
-        for unit in units:
-            group_index, shape, _, work_dtype, overrides = kinds[unit[0]]
-            stacks.append(BlockStack(group_index, shape, [blocks[i] for i in unit], work_dtype,
-                                     rank=owners[unit[0]], overrides=dict(overrides)))
-        return sorted(stacks, key=lambda s: s.rank), plan
-
-    def _refresh_slots(self, blocks: list[BlockRef], shapes: list[tuple[int, ...]],
-                       kinds: list[tuple]) -> list[int | None] | None:
-        """Each block's staggered refresh offset as ``step.assign_refresh_offsets`` will
-        give it (for the owners to balance each step's refreshes; docs/performance.md),
-        ``None`` for blocks that refresh with every block or never; ``None`` if none is
-        staggered."""
-        slots: list[int | None] = [None] * len(blocks)
-        by_group: dict[int, list[int]] = {}
-        for i, (block, kind) in enumerate(zip(blocks, kinds)):
-            group = self.param_groups[block.group_index]
-            settings = ChainMap(dict(kind[4]), group) if kind[4] else group
-            if settings["refresh_schedule"] == "staggered" and kind_of(settings).refreshes:
-                by_group.setdefault(block.group_index, []).append(i)
-        for gi, members in by_group.items():
-            members.sort(key=lambda i: (blocks[i].param_index, blocks[i].block_index))
-            offsets = step.staggered_offsets([shapes[i] for i in members],
-                                             self.param_groups[gi]["precondition_frequency"])
-            for i, offset in zip(members, offsets):
-                slots[i] = offset
-        return slots if by_group else None
-
-    def _planned(self, plan: agreement.Plan, blocks: list[BlockRef], kinds: list[tuple],
-                 costs: list[float]) -> agreement.Plan:
-        """``plan`` with the new blocks' parameters (``agreement.Plan``: what the ranks
-        must hold alike), checked across the ranks now where laying them out is itself a
-        collective (sub-meshes, DeepSpeed's partitions), else at the first step. The
-        groups' settings join it at the check (``_agreed``), as they are then."""
-        entries: dict[int, dict] = {}
-        for block, (group, shape, _, work_dtype, overrides), cost in zip(blocks, kinds, costs):
-            entry = entries.get(block.param_index)
-            if entry is None:
-                named = self.param_groups[block.group_index].get("param_names")
-                entry = entries[block.param_index] = {
-                    "index": block.param_index, "name": block.name if named else None,
-                    "param": agreement.param_key(block.param, self._group_ranks()),
-                    "blocks": []}
-            entry["blocks"].append([list(shape), group, str(work_dtype).removeprefix(
-                "torch."), repr(overrides), float(cost)])
-        plan = plan.extended(entries.values())
-        if self._distributor.collective_layout([b.param for b in blocks]):
-            plan = self._agreed(plan)
-        return plan
-
-    def _agreed(self, plan: agreement.Plan) -> agreement.Plan:
-        """``plan``, found the same on every rank (once: ``agreement.check`` raises
-        ``ValueError`` on every rank where they differ), where the distributor's
-        collectives depend on it: its parameters and blocks, and the settings of the
-        groups they are in as the groups hold them now (every rank checks at the same
-        step, so a learning-rate schedule's ``lr`` is the same on every rank)."""
-        if plan.agreed or not self._distributor.needs_agreement():
-            return plan.checked()
-        plan = plan.with_settings((gi, self._numbers_settings(self.param_groups[gi]))
-                                  for gi in plan.groups())
-        process_group = self._distributor.process_group
-        agreement.check(plan, group=process_group,
-                        device=collective_device(self._all_params(), process_group))
-        return plan.checked()
-
-    @staticmethod
-    def _numbers_settings(group: Mapping) -> tuple[tuple[str, str], ...]:
-        """``(keyword, agreement.setting(value))`` of every setting of ``group`` that
-        enters its blocks' numbers: each keyword of the table that acts for the group's
-        kinds (``keyword_acts``: its own and ``vector_preconditioner``'s), but the runtime
-        ones (``compile``: how this process runs the step), floats exactly; and
-        ``peak_lr`` where weight decay divides by it."""
-        pairs = [(key, agreement.setting(group[key], row.type in (float, tuple, dict)
-                                         or tuple in getattr(row.type, "__args__", ())))
-                 for key, row in TABLE.items()
-                 if key not in RUNTIME_KEYS and keyword_acts(key, group)]
-        if group["weight_decay"] != 0 and group["weight_decay_type"] in (
-                "corrected", "independent") and "peak_lr" in group:
-            pairs.append(("peak_lr", agreement.setting(group["peak_lr"], True)))
-        return tuple(pairs)
-
-    def _group_ranks(self) -> int | tuple[int, ...]:
-        """The global ranks blocks are spread over (the world's size where the distributor
-        has no group)."""
-        group = self._distributor.group
-        return self._distributor.world_size if group is None else group.ranks
+    def _layout_builder(self) -> LayoutBuilder:
+        """What lays the parameters out (``layout.py``), reading the groups, the
+        distributor and the parameters as they are now."""
+        return LayoutBuilder(self.param_groups, self._distributor,
+                             self.defaults["assignment_cost"], self._param_refs(),
+                             self._param_names(), self._schedules)
 
     def _agree(self, layout: Layout) -> None:
         """Before a layout's first collective (a step, ``train()`` / ``eval()``): its plan
         checked across the ranks, once per layout (nothing per step after)."""
         if not layout.plan.agreed:
-            layout.plan = self._agreed(layout.plan)
+            layout.plan = self._layout_builder().agreed(layout.plan)
 
     def _ensure_layout(self, also: Iterable[int] = ()) -> Layout:
-        """The layout of every trainable parameter (``_trainable``) and of ``also`` (a
+        """The layout of every trainable parameter (``layout.trainable``) and of ``also`` (a
         checkpoint's parameters), built on first use and extended when one is added."""
         params = [id(p) for p in self._all_params()]
         carried = None
@@ -624,15 +460,12 @@ class DistributedShampoo(torch.optim.Optimizer):
                 carried = saving.pack_state(self.param_groups, self._layout.owned,
                                             self._distributor, self._layout.blockings)
                 also = {*also, *self._layout.blockings}
-        wanted = sorted({*self._trainable(), *also})
+        wanted = sorted({*trainable(self._all_params()), *also})
         if rebuild:  # the old layout and distributor stay until the new one is complete
             previous = self._distributor
             self._distributor = self._pick_distributor()
             try:
-                blockings, blocks = self._blocks(wanted)
-                stacks, plan = self._make_stacks(blocks, blockings, agreement.Plan())
-                layout = Layout(blockings, stacks, [], params, plan)
-                self._finish_layout(layout)
+                layout = self._layout_builder().build(wanted)
             except BaseException:
                 self._distributor = previous
                 raise
@@ -642,25 +475,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                                     self._distributor, self._layout.blockings)
                 delayed_refresh.restore(self._layout.owned, self.param_groups)
         elif not set(wanted) <= self._layout.blockings.keys():
-            self._extend_layout(self._layout, wanted)
+            self._layout_builder().extend(self._layout, wanted)
         return self._layout
-
-    def _extend_layout(self, layout: Layout, wanted: Iterable[int]) -> Layout:
-        """Add blocks for the ``wanted`` parameters that have none yet (a new param group, a
-        parameter unfrozen during training); existing blocks and their state stay."""
-        new = [i for i in wanted if i not in layout.blockings]
-        blockings, blocks = self._blocks(new)
-        stacks, layout.plan = self._make_stacks(blocks, blockings, layout.plan)
-        layout.blockings.update(blockings)
-        layout.stacks = sorted(layout.stacks + stacks, key=lambda s: s.rank)
-        layout.params = [id(p) for p in self._all_params()]
-        self._finish_layout(layout)
-        return layout
-
-    def _finish_layout(self, layout: Layout) -> None:
-        layout.owned = [s for s in layout.stacks if s.rank == self._distributor.rank]
-        self._distributor.allocate_directions(layout.stacks)
-        self._update_refresh_offsets(layout)
 
     # ------------------------------------------------------------------ step
     @overload  # as torch.optim.Optimizer.step: None without a closure, its loss with one
