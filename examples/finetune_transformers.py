@@ -36,7 +36,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_shampoo.describe import describe
+from hf_shampoo.describe_table import describe
 from hf_shampoo.integrations import transformers as hf_transformers
 
 # `import hf_shampoo` registers optim="distributed_shampoo" lazily; doing it explicitly here

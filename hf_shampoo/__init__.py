@@ -14,7 +14,7 @@ torch is the only requirement; an integration used without its library raises an
 release's version.
 """
 
-from .describe import describe
+from .describe_table import describe
 from .errors import CheckpointError, ShampooNumericalError
 from .factory import make_optimizer
 from .integrations.timm import register_on_import as _register_timm

@@ -36,7 +36,7 @@ group has ``experts=True``, so each expert gets its own blocks, factors and
 orthogonalization, and the rules above see one expert's shape. ``overrides`` map glob
 patterns over parameter or module names to keywords; ``role_of(param)`` says the role a
 parameter got. The groups are plain dicts: ``make_optimizer`` (``factory.py``) builds the
-optimizer over them and ``describe(optimizer)`` (``describe.py``) prints the result per
+optimizer over them and ``describe(optimizer)`` (``describe_table.py``) prints the result per
 parameter; nothing here imports the optimizer.
 """
 

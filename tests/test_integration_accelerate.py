@@ -191,7 +191,7 @@ WORKER = textwrap.dedent(
     from transformers import GPT2Config, GPT2LMHeadModel
     from hf_shampoo.integrations.accelerate import find_shampoo, register_checkpoint_hook
     from hf_shampoo.integrations.accelerate import save_state
-    from hf_shampoo.describe import describe
+    from hf_shampoo.describe_table import describe
     from hf_shampoo.factory import make_optimizer
 
     out = sys.argv[1]

@@ -1,4 +1,4 @@
-"""Tests of hf_shampoo/model_rules.py, factory.py and describe.py: model walk, presets,
+"""Tests of hf_shampoo/model_rules.py, factory.py and describe_table.py: model walk, presets,
 overrides, make_optimizer, describe()."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Trainer
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.describe import describe, describe_rows
+from hf_shampoo.describe_table import describe, describe_rows
 from hf_shampoo.factory import make_optimizer
 from hf_shampoo.model_rules import guess_vocab_size, param_groups, walk
 

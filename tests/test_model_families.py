@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as hf
 
-from hf_shampoo.describe import describe_rows
+from hf_shampoo.describe_table import describe_rows
 from hf_shampoo.factory import make_optimizer
 from hf_shampoo.model_rules import PRESETS, WHOLE_MATRIX, param_groups, walk
 

@@ -101,7 +101,7 @@ MOVED = {
     "hf_shampoo.stages": "hf_shampoo.update_rules",
     "hf_shampoo.distributors.fsdp": "hf_shampoo.distributors.sharded",
     "hf_shampoo.integrations.modules": ("hf_shampoo.model_rules", "hf_shampoo.factory",
-                                        "hf_shampoo.describe"),
+                                        "hf_shampoo.describe_table"),
 }
 
 
@@ -228,12 +228,11 @@ def test_the_exceptions_live_in_errors_and_keep_their_old_homes():
 
 
 def test_make_optimizer_is_where_the_docs_say():
-    """``hf_shampoo.describe`` is the function (its module, ``describe.py``, is reached by
-    ``from hf_shampoo.describe import ...``)."""
+    """``hf_shampoo.make_optimizer`` and ``hf_shampoo.describe`` are the functions of
+    ``factory.py`` and ``describe_table.py``."""
     import hf_shampoo
-    from hf_shampoo import factory
+    from hf_shampoo import describe_table, factory
 
-    describe_table = importlib.import_module("hf_shampoo.describe")
     assert hf_shampoo.make_optimizer is factory.make_optimizer
     assert hf_shampoo.describe is describe_table.describe
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_shampoo import factory
-from hf_shampoo.describe import _size, describe, describe_rows
+from hf_shampoo.describe_table import _size, describe, describe_rows
 from hf_shampoo.factory import make_optimizer
 
 pytestmark = pytest.mark.integrations
