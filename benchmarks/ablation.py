@@ -48,7 +48,7 @@ from benchmarks.tasks import (
     windows_of,
 )
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.integrations.modules import make_optimizer
+from hf_shampoo.factory import make_optimizer
 from hf_shampoo.optional import require
 
 LRS = (1e-3, 3e-3, 1e-2)

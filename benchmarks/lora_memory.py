@@ -21,7 +21,7 @@ import torch
 from benchmarks.common import table_head, table_row
 from benchmarks.configs import SHAMPOO
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.integrations.modules import make_optimizer
+from hf_shampoo.factory import make_optimizer
 from hf_shampoo.optional import require
 
 MODELS = {  # Llama 2 7B and 70B shapes

@@ -36,8 +36,8 @@ from transformers import (
     TrainingArguments,
 )
 
+from hf_shampoo.describe_table import describe
 from hf_shampoo.integrations import transformers as hf_transformers
-from hf_shampoo.integrations.modules import describe
 
 # `import hf_shampoo` registers optim="distributed_shampoo" lazily; doing it explicitly here
 # keeps the example independent of import order.

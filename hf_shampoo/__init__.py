@@ -14,8 +14,9 @@ torch is the only requirement; an integration used without its library raises an
 release's version.
 """
 
+from .describe_table import describe
 from .errors import CheckpointError, ShampooNumericalError
-from .integrations.modules import describe, make_optimizer
+from .factory import make_optimizer
 from .integrations.timm import register_on_import as _register_timm
 from .integrations.transformers import register_on_import as _register_transformers
 from .optimizer import DistributedShampoo

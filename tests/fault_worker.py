@@ -203,13 +203,13 @@ def run_trainer(layout: str, fault: str, out: Path) -> None:
 def run_accelerate(layout: str, fault: str, out: Path) -> None:
     from accelerate import Accelerator
 
+    from hf_shampoo.factory import make_optimizer
     from hf_shampoo.integrations.accelerate import (
         find_shampoo,
         latest_checkpoint,
         load_state,
         save_state,
     )
-    from hf_shampoo.integrations.modules import make_optimizer
 
     if layout == "fsdp2":  # Accelerate's FSDP2 path, switched on by hand on a CPU
         from tests.accelerate_fsdp_worker import _accelerator

@@ -21,13 +21,13 @@ from accelerate.state import AcceleratorState, GradientState
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_shampoo import DistributedShampoo
+from hf_shampoo.factory import make_optimizer
 from hf_shampoo.integrations.accelerate import (
     consolidate,
     find_shampoo,
     register_checkpoint_hook,
     save_state,
 )
-from hf_shampoo.integrations.modules import make_optimizer
 from tests.helpers import ROOT, free_port
 
 pytestmark = pytest.mark.integrations
@@ -191,7 +191,8 @@ WORKER = textwrap.dedent(
     from transformers import GPT2Config, GPT2LMHeadModel
     from hf_shampoo.integrations.accelerate import find_shampoo, register_checkpoint_hook
     from hf_shampoo.integrations.accelerate import save_state
-    from hf_shampoo.integrations.modules import describe, make_optimizer
+    from hf_shampoo.describe_table import describe
+    from hf_shampoo.factory import make_optimizer
 
     out = sys.argv[1]
 

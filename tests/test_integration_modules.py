@@ -1,4 +1,5 @@
-"""Tests of hf_shampoo/integrations/modules.py: model walk, presets, overrides, describe()."""
+"""Tests of hf_shampoo/model_rules.py, factory.py and describe_table.py: model walk, presets,
+overrides, make_optimizer, describe()."""
 
 from __future__ import annotations
 
@@ -8,14 +9,9 @@ from torch import nn
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Trainer
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.integrations.modules import (
-    describe,
-    describe_rows,
-    guess_vocab_size,
-    make_optimizer,
-    param_groups,
-    walk,
-)
+from hf_shampoo.describe_table import describe, describe_rows
+from hf_shampoo.factory import make_optimizer
+from hf_shampoo.model_rules import guess_vocab_size, param_groups, walk
 
 pytestmark = pytest.mark.integrations
 

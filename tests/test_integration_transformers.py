@@ -24,8 +24,8 @@ from transformers import (
 )
 
 from hf_shampoo import DistributedShampoo
+from hf_shampoo.describe_table import describe
 from hf_shampoo.integrations import transformers as hft
-from hf_shampoo.integrations.modules import describe
 from hf_shampoo.integrations.transformers import registration
 from tests.helpers import run
 from tests.tiny_trainer import (

@@ -14,14 +14,9 @@ import pytest
 import torch
 import transformers as hf
 
-from hf_shampoo.integrations.modules import (
-    PRESETS,
-    WHOLE_MATRIX,
-    describe_rows,
-    make_optimizer,
-    param_groups,
-    walk,
-)
+from hf_shampoo.describe_table import describe_rows
+from hf_shampoo.factory import make_optimizer
+from hf_shampoo.model_rules import PRESETS, WHOLE_MATRIX, param_groups, walk
 
 pytestmark = pytest.mark.integrations
 

@@ -10,15 +10,10 @@ from torch import nn
 
 from hf_shampoo import DistributedShampoo
 from hf_shampoo.blocking import ParamBlocking
-from hf_shampoo.integrations.modules import (
-    describe,
-    describe_rows,
-    is_experts_module,
-    make_optimizer,
-    param_groups,
-    walk,
-)
+from hf_shampoo.describe_table import describe, describe_rows
+from hf_shampoo.factory import make_optimizer
 from hf_shampoo.integrations.transformers.arguments import parse_optim_args
+from hf_shampoo.model_rules import is_experts_module, param_groups, walk
 from tests.helpers import assert_resumes_exactly
 
 pytestmark = pytest.mark.unit

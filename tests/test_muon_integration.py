@@ -12,8 +12,10 @@ from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_shampoo import DistributedShampoo
+from hf_shampoo.describe_table import describe, describe_rows
+from hf_shampoo.factory import make_optimizer
 from hf_shampoo.integrations import transformers as hft
-from hf_shampoo.integrations.modules import WHOLE_MATRIX, describe, describe_rows, make_optimizer
+from hf_shampoo.model_rules import WHOLE_MATRIX
 from tests import tiny_trainer as tiny
 
 pytestmark = pytest.mark.integrations

@@ -385,7 +385,7 @@ _train = train_mse
 
 
 def test_frozen_parameters_hold_no_state_and_describe_says_so():
-    from hf_shampoo.integrations.modules import describe, describe_rows
+    from hf_shampoo.describe_table import describe, describe_rows
 
     model = _partly_frozen_model()
     opt = DistributedShampoo(model.named_parameters(), lr=0.01, grafting="adam",

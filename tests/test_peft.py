@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.integrations.modules import describe_rows
+from hf_shampoo.describe_table import describe_rows
 
 pytestmark = pytest.mark.integrations
 
@@ -89,7 +89,7 @@ def test_accelerate_with_all_parameters_holds_state_for_the_adapters_only():
 def test_an_override_gives_adapters_full_factors():
     """The presets' adapter rule is a memory choice: ``diagonal_aspect=None`` for the
     adapters (the documented override, also as ``optim_args``) gives them full factors."""
-    from hf_shampoo.integrations.modules import make_optimizer
+    from hf_shampoo.factory import make_optimizer
     from hf_shampoo.integrations.transformers.arguments import parse_optim_args
 
     model = lora_gpt2()

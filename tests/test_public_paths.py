@@ -94,12 +94,26 @@ def test_the_moved_checkpoint_path_warns_and_still_works():
         save_sharded, load_sharded, consolidate_checkpoint)
 
 
-#: old import path → its new home (CHANGELOG.md, "Deprecated"); each old one is removed in 0.3.0
+#: old import path → its new home, or homes where its module was split (CHANGELOG.md,
+#: "Deprecated"); each old one is removed in 0.3.0
 MOVED = {
     "hf_shampoo.pipeline": "hf_shampoo.step",
     "hf_shampoo.stages": "hf_shampoo.update_rules",
     "hf_shampoo.distributors.fsdp": "hf_shampoo.distributors.sharded",
+    "hf_shampoo.integrations.modules": ("hf_shampoo.model_rules", "hf_shampoo.factory",
+                                        "hf_shampoo.describe_table"),
 }
+
+
+def homes(new: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (new,) if isinstance(new, str) else new
+
+
+def moved_message(old: str, new: str | tuple[str, ...]) -> str:
+    """What the shim at ``old`` warns: ``a``, ``a and b``, ``a, b and c``."""
+    *first, last = homes(new)
+    where = f"{', '.join(first)} and {last}" if first else last
+    return f"{old} moved to {where}; the old path is removed in 0.3.0"
 
 
 def import_anew(old: str):
@@ -114,7 +128,7 @@ def test_every_shim_in_the_package_is_tested_here():
 
 @pytest.mark.parametrize(("old", "new"), MOVED.items())
 def test_the_old_path_warns_naming_the_new_one(old, new):
-    message = f"{old} moved to {new}; the old path is removed in 0.3.0"
+    message = moved_message(old, new)
     with pytest.warns(DeprecationWarning, match=re.escape(message)) as caught:
         import_anew(old)
     assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [message]
@@ -122,29 +136,33 @@ def test_the_old_path_warns_naming_the_new_one(old, new):
 
 @pytest.mark.parametrize(("old", "new"), MOVED.items())
 def test_the_old_path_exposes_the_new_modules_objects(old, new):
-    """Every name of the new module, private ones and ``__all__`` included, is the same
-    object under the old path, as an attribute and in ``from old import ...``; ``import *``
-    gives the same names."""
+    """Every name of the new module (of each, where it was split), private ones and
+    ``__all__`` included, is the same object under the old path, as an attribute and in
+    ``from old import ...``; ``import *`` gives the same names."""
     with pytest.warns(DeprecationWarning):
         moved = import_anew(old)
-    module = importlib.import_module(new)
-    names = [n for n in vars(module) if not (n.startswith("__") and n.endswith("__"))]
-    assert len(names) > 5
-    for name in names:
-        assert getattr(moved, name) is getattr(module, name), name
-    if hasattr(module, "__all__"):
-        assert moved.__all__ == module.__all__
-    else:
-        assert not hasattr(moved, "__all__")
-    first = names[0]
-    imported: dict = {}
-    exec(f"from {old} import {first}", imported)
-    assert imported[first] is getattr(module, first)
-    old_star: dict = {}
     new_star: dict = {}
+    for home in homes(new):
+        module = importlib.import_module(home)
+        names = [n for n in vars(module) if not (n.startswith("__") and n.endswith("__"))]
+        assert len(names) > 5
+        for name in names:  # so a name two homes hold (torch, Any) is one object in both
+            assert getattr(moved, name) is getattr(module, name), (home, name)
+        if hasattr(module, "__all__"):
+            assert moved.__all__ == module.__all__
+        else:
+            assert not hasattr(moved, "__all__")
+        first = names[0]
+        imported: dict = {}
+        exec(f"from {old} import {first}", imported)
+        assert imported[first] is getattr(module, first)
+        star: dict = {}
+        exec(f"from {home} import *", star)
+        del star["__builtins__"]
+        assert all(new_star.setdefault(k, v) is v for k, v in star.items()), home
+    old_star: dict = {}
     exec(f"from {old} import *", old_star)
-    exec(f"from {new} import *", new_star)
-    del old_star["__builtins__"], new_star["__builtins__"]
+    del old_star["__builtins__"]
     assert old_star.keys() == new_star.keys()
     assert all(old_star[k] is new_star[k] for k in new_star)
     with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'nothing_such'"):
@@ -210,11 +228,13 @@ def test_the_exceptions_live_in_errors_and_keep_their_old_homes():
 
 
 def test_make_optimizer_is_where_the_docs_say():
+    """``hf_shampoo.make_optimizer`` and ``hf_shampoo.describe`` are the functions of
+    ``factory.py`` and ``describe_table.py``."""
     import hf_shampoo
-    from hf_shampoo.integrations import modules
+    from hf_shampoo import describe_table, factory
 
-    assert hf_shampoo.make_optimizer is modules.make_optimizer
-    assert hf_shampoo.describe is modules.describe
+    assert hf_shampoo.make_optimizer is factory.make_optimizer
+    assert hf_shampoo.describe is describe_table.describe
 
 
 def _pickled_modules(obj) -> set[str]:

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.integrations.modules import describe, describe_rows, make_optimizer
+from hf_shampoo.describe_table import describe, describe_rows
+from hf_shampoo.factory import make_optimizer
 from hf_shampoo.preconditioners.riemannian_lora import adapter_side
 from tests.helpers import assert_bitwise, join_gloo_world, leave_gloo_world, one_thread_per_process
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_shampoo.integrations import modules
-from hf_shampoo.integrations.modules import describe, describe_rows, make_optimizer
+from hf_shampoo import factory
+from hf_shampoo.describe_table import _size, describe, describe_rows
+from hf_shampoo.factory import make_optimizer
 
 pytestmark = pytest.mark.integrations
 
@@ -111,7 +112,7 @@ def test_describe_shows_the_sketch_rank_and_the_state_per_row():
     assert text.splitlines()[0].split()[-1] == "state"
     line = next(ln for ln in text.splitlines() if ln.startswith("transformer.h.0.mlp.c_fc.weight"))
     assert f"sketchy (rank {RANK} on dims 0,1)" in line
-    assert line.endswith(modules._size(rows["transformer.h.0.mlp.c_fc.weight"]["state_bytes"]))
+    assert line.endswith(_size(rows["transformer.h.0.mlp.c_fc.weight"]["state_bytes"]))
     assert sum(r["state_bytes"] for r in rows.values()) == \
         sum(b["state_bytes"] for b in optimizer.describe_blocks())
 
@@ -120,7 +121,7 @@ def test_bad_memory_is_refused_before_anything_is_built(monkeypatch):
     def built(*args, **kwargs):
         raise AssertionError("built before memory was checked")
 
-    monkeypatch.setattr(modules, "param_groups", built)
+    monkeypatch.setattr(factory, "param_groups", built)
     with pytest.raises(ValueError, match=r"memory='sketchy'.*'full'.*'sketch'.*did you mean "
                                          r"'sketch'"):
         make_optimizer(tiny_gpt2(), memory="sketchy")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_shampoo import DistributedShampoo
-from hf_shampoo.integrations.modules import describe_rows
+from hf_shampoo.describe_table import describe_rows
 from tests.helpers import assert_resumes_exactly, train_mse
 
 pytestmark = pytest.mark.unit

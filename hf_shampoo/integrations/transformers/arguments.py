@@ -5,7 +5,7 @@ the defaults.
 values cast to the keyword's type, ``PATTERN@key`` for matching modules, ``preset``; as
 strict as the constructor: closest valid key, no key twice); defaults follow the AdamW
 migration, with Shampoo's fine-tuning defaults for the kinds that keep statistics only
-(``trainer_defaults``); parameters are grouped by the module rules of ``modules.py``, and a
+(``trainer_defaults``); parameters are grouped by the module rules of ``model_rules.py``, and a
 keyword that changes none of the groups is reported. ``create_optimizer`` and
 ``optimizer_cls_and_kwargs`` build the optimizer; they need nothing of transformers but its
 ``TrainingArguments``' fields.
@@ -30,19 +30,17 @@ from ...config import (
     inert_keywords,
     validate_group,
 )
-from ...optimizer import DistributedShampoo
-from ...preconditioners import KINDS
-from ..modules import (
-    check_memory,
+from ...factory import check_memory, sketch_groups, sketch_statistics_frequency
+from ...model_rules import (
     check_override,
     check_patterns,
     check_preset,
     hf_no_decay,
     param_groups,
-    sketch_groups,
-    sketch_statistics_frequency,
     walk,
 )
+from ...optimizer import DistributedShampoo
+from ...preconditioners import KINDS
 
 OPTIMIZER_NAME = "distributed_shampoo"
 # Muon by name: the same optimizer with the "muon" module preset (spectral descent on

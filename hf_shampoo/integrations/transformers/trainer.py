@@ -17,10 +17,10 @@ from typing import Any
 
 from ... import averaging
 from ...config import start_step
+from ...model_rules import check_preset
 from ...optional import require
 from ...preconditioners import KINDS
 from ..accelerate import consolidate, find_shampoo
-from ..modules import check_preset
 from .arguments import (
     OPTIMIZER_NAMES,
     chosen_preset,
