@@ -8,7 +8,9 @@ keep the previous ones; a save with a refresh pending resumes exactly (``state_d
 ``deepcopy``); a block grafts until its first roots arrive; a decomposition that fails in
 the background is reported on the step that applies it; bad values are refused; no worker
 thread outlives its optimizer. Device-generic (``HF_SHAMPOO_TEST_DEVICE=cuda``: the side
-stream). Distributed layouts draw ``refresh_delay`` in tests/test_generated_*layouts.py.
+stream); without a GPU the CUDA branch runs against a log of CUDA's stream API, which checks
+the order of its events and streams. Distributed layouts draw ``refresh_delay`` in
+tests/test_generated_*layouts.py.
 """
 
 from __future__ import annotations
@@ -259,3 +261,96 @@ def test_the_worker_leaves_the_thread_count_alone(monkeypatch):
     finally:
         real(before)
     assert not [name for name in calls if name.startswith("hf_shampoo_refresh")]
+
+
+class _LoggedCuda:
+    """CUDA's stream API as a log (no GPU needed): each thread's current stream, events
+    recorded and waited for, ``record_stream`` calls, and where ``compute`` ran."""
+
+    class Stream:
+        def __init__(self, name: str, log: list) -> None:
+            self.name, self._log = name, log
+
+        def wait_event(self, event) -> None:
+            self._log.append(("wait", self.name, event.name))
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.main = self.Stream("main", self.log)
+        self._current = threading.local()
+        self._events = 0
+
+    def current(self, device=None):
+        return getattr(self._current, "stream", self.main)
+
+    def side_stream(self, device=None):
+        return self.Stream("side", self.log)
+
+    def event(self):
+        cuda = self
+
+        class Event:
+            def __init__(self) -> None:
+                cuda._events += 1
+                self.name = f"event{cuda._events}"
+
+            def record(self, stream) -> None:
+                cuda.log.append(("record", self.name, stream.name))
+        return Event()
+
+    def stream(self, stream):
+        cuda = self
+
+        class Context:
+            def __enter__(self):
+                cuda._current.stream = stream
+
+            def __exit__(self, *exc):
+                del cuda._current.stream
+        return Context()
+
+    def install(self, monkeypatch) -> None:
+        import contextlib
+        cuda = self
+        monkeypatch.setattr(torch.cuda, "Stream", self.side_stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.event)
+        monkeypatch.setattr(torch.cuda, "current_stream", self.current)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: cuda.log.append(
+            ("record_stream", tensor.data_ptr(), stream.name)), raising=False)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="on a GPU the real side stream runs")
+def test_the_cuda_path_orders_its_streams(monkeypatch):
+    """Without a GPU, the CUDA branch of the worker run against a log of CUDA's stream
+    API: the side stream waits for the snapshot's event before the refresh computes on it,
+    in the worker thread; the step's stream waits for the side stream's event before the
+    results are used; the snapshot is kept for the side stream and the results for the
+    step's stream (``record_stream``), so the allocator reuses neither too early."""
+    from hf_shampoo.delayed_refresh import Pending, Refresher, _result
+
+    cuda = _LoggedCuda()
+    cuda.install(monkeypatch)
+    snapshot, out = torch.ones(3), torch.zeros(3)
+    where = []
+
+    def compute():
+        where.append(threading.current_thread().name)
+        cuda.log.append(("compute", cuda.current().name))
+        return {"inverse_root_0": out}, []
+
+    refresher = Refresher(background=True)
+    future = refresher.submit(compute, torch.device("cuda", 0), [snapshot])
+    result, calls = _result(Pending(2, [0], future), torch.device("cuda", 0))
+    assert result["inverse_root_0"] is out and calls == []
+    assert where and where[0].startswith("hf_shampoo_refresh")
+    assert cuda.log == [
+        ("record", "event1", "main"),  # the snapshot is ready on the step's stream
+        ("record_stream", snapshot.data_ptr(), "side"),
+        ("wait", "side", "event1"),
+        ("compute", "side"),
+        ("record", "event2", "side"),  # the results are ready on the side stream
+        ("wait", "main", "event2"),
+        ("record_stream", out.data_ptr(), "main"),
+    ]
