@@ -18,6 +18,7 @@ import argparse
 
 import torch
 
+from benchmarks.common import cpu_name
 from hf_shampoo import eigenbasis, kronecker, linalg
 
 
@@ -74,20 +75,6 @@ def rows(device: str, dtypes, sizes=SIZES) -> list[tuple[str, tuple, str, bool, 
                     worst = max(worst, (a.double() - b.double()).abs().max().item())
             out.append((name, shape, dtype_name, equal, worst))
     return out
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
 
 
 def main(argv=None) -> None:

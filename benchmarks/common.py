@@ -190,17 +190,22 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def hardware() -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {torch.get_num_threads()} thread(s), {gpu}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (f"{cpu_name()}, {torch.get_num_threads()} thread(s), {gpu}; "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
 class StaleCounter:

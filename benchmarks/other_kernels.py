@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,16 +66,6 @@ def moved(tree: Path, env: dict[str, str], sizes) -> list[float]:
     out = subprocess.run([sys.executable, "-c", CASE, *map(str, sizes)], env=full, cwd=tree,
                          capture_output=True, text=True, check=True).stdout
     return [float(line) for line in out.split()]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ tests/test_generated_*layouts.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import threading
@@ -274,6 +275,13 @@ class _LoggedCuda:
         def wait_event(self, event) -> None:
             self._log.append(("wait", self.name, event.name))
 
+    class Event:
+        def __init__(self, name: str, log: list) -> None:
+            self.name, self._log = name, log
+
+        def record(self, stream) -> None:
+            self._log.append(("record", self.name, stream.name))
+
     def __init__(self) -> None:
         self.log: list[tuple] = []
         self.main = self.Stream("main", self.log)
@@ -283,41 +291,26 @@ class _LoggedCuda:
     def current(self, device=None):
         return getattr(self._current, "stream", self.main)
 
-    def side_stream(self, device=None):
-        return self.Stream("side", self.log)
-
     def event(self):
-        cuda = self
+        self._events += 1
+        return self.Event(f"event{self._events}", self.log)
 
-        class Event:
-            def __init__(self) -> None:
-                cuda._events += 1
-                self.name = f"event{cuda._events}"
-
-            def record(self, stream) -> None:
-                cuda.log.append(("record", self.name, stream.name))
-        return Event()
-
+    @contextlib.contextmanager
     def stream(self, stream):
-        cuda = self
-
-        class Context:
-            def __enter__(self):
-                cuda._current.stream = stream
-
-            def __exit__(self, *exc):
-                del cuda._current.stream
-        return Context()
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            del self._current.stream
 
     def install(self, monkeypatch) -> None:
-        import contextlib
-        cuda = self
-        monkeypatch.setattr(torch.cuda, "Stream", self.side_stream)
+        log = self.log
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: self.Stream("side", log))
         monkeypatch.setattr(torch.cuda, "Event", self.event)
         monkeypatch.setattr(torch.cuda, "current_stream", self.current)
         monkeypatch.setattr(torch.cuda, "stream", self.stream)
         monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: cuda.log.append(
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: log.append(
             ("record_stream", tensor.data_ptr(), stream.name)), raising=False)
 
 
