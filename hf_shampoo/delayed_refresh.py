@@ -200,12 +200,24 @@ def submit(stack, job, refresher: Refresher, workspace_type: type) -> None:
     stack.pending.append(Pending(job.step + delay_of(group), shadow.members, future))
 
 
+def _on_cuda(tensor: Tensor) -> bool:
+    return tensor.is_cuda
+
+
+def _reported_tensors(calls: list) -> list[Tensor]:
+    """The CUDA tensors the worker's reports carry (eigenvalues, failure flags: some
+    kinds hand the flags over already on the host)."""
+    return [value for _, args, kwargs in calls for value in (*args, *kwargs.values())
+            if isinstance(value, Tensor) and _on_cuda(value)]
+
+
 def _result(pending: Pending, device: torch.device) -> tuple[dict[str, Tensor], list]:
     (result, calls), done = pending.future.result()
     if done is not None:  # CUDA: the main stream waits for the side stream's work
         current = torch.cuda.current_stream(device)
         current.wait_event(done)
-        for tensor in result.values():
+        # made on the side stream, read on the step's: not reused before the step read them
+        for tensor in [*result.values(), *_reported_tensors(calls)]:
             tensor.record_stream(current)
     return result, calls
 

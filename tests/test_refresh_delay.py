@@ -319,24 +319,31 @@ def test_the_cuda_path_orders_its_streams(monkeypatch):
     """Without a GPU, the CUDA branch of the worker run against a log of CUDA's stream
     API: the side stream waits for the snapshot's event before the refresh computes on it,
     in the worker thread; the step's stream waits for the side stream's event before the
-    results are used; the snapshot is kept for the side stream and the results for the
-    step's stream (``record_stream``), so the allocator reuses neither too early."""
+    results are used; the snapshot is kept for the side stream, the results and the
+    tensors the reports carry for the step's stream (``record_stream``), so the allocator
+    reuses none of them too early."""
+    from hf_shampoo import delayed_refresh
     from hf_shampoo.delayed_refresh import Pending, Refresher, _result
 
     cuda = _LoggedCuda()
     cuda.install(monkeypatch)
     snapshot, out = torch.ones(3), torch.zeros(3)
+    flags, values = torch.ones(1, dtype=torch.bool), torch.full((1, 3), 2.0)
+    host_flags = torch.ones(1, dtype=torch.bool)  # a kind that moved its flags to the host
+    reports = [("count_failures", ("factor_matrix_0", flags, [0], 2), {"eigenvalues": values}),
+               ("count_failures", ("factor_matrix_1", host_flags, [0], 2), {})]
+    monkeypatch.setattr(delayed_refresh, "_on_cuda", lambda tensor: tensor is not host_flags)
     where = []
 
     def compute():
         where.append(threading.current_thread().name)
         cuda.log.append(("compute", cuda.current().name))
-        return {"inverse_root_0": out}, []
+        return {"inverse_root_0": out}, reports
 
     refresher = Refresher(background=True)
     future = refresher.submit(compute, torch.device("cuda", 0), [snapshot])
     result, calls = _result(Pending(2, [0], future), torch.device("cuda", 0))
-    assert result["inverse_root_0"] is out and calls == []
+    assert result["inverse_root_0"] is out and calls is reports
     assert where and where[0].startswith("hf_shampoo_refresh")
     assert cuda.log == [
         ("record", "event1", "main"),  # the snapshot is ready on the step's stream
@@ -346,4 +353,7 @@ def test_the_cuda_path_orders_its_streams(monkeypatch):
         ("record", "event2", "side"),  # the results are ready on the side stream
         ("wait", "main", "event2"),
         ("record_stream", out.data_ptr(), "main"),
+        # the reports' tensors, read when the step replays them, are kept for it too
+        ("record_stream", flags.data_ptr(), "main"),
+        ("record_stream", values.data_ptr(), "main"),
     ]
