@@ -1,5 +1,5 @@
-"""Optimizer-state memory of AdamW, Shampoo and SOAP (32-bit and 4-bit; 32-bit with
-``refresh_delay``'s pending copies), per rank under DDP and FSDP2, plus a bar chart.
+"""Optimizer-state memory of AdamW, Shampoo and SOAP (32-bit and 4-bit; 32-bit Shampoo
+with ``refresh_delay``), per rank under DDP and FSDP2, plus a bar chart.
 
 Computed, not sampled: every state tensor each block would allocate, with its dtype,
 placed on ranks by the optimizer's own assignment code (``common.owners``). AdamW keeps two
@@ -38,10 +38,9 @@ CONFIGS = {
     "SOAP 32-bit": dict(preconditioner="eigenvalue_corrected"),
     "SOAP 4-bit": dict(preconditioner="eigenvalue_corrected", quantization="4bit",
                        statistics_frequency=1),
-    # refresh_delay >= 1 keeps a pending copy of each block's roots or bases (the same for
-    # every d), which a checkpoint saved with a refresh pending needs
+    # refresh_delay >= 1 keeps, between steps, only the step each block's pending result
+    # applies at (checkpoints hold the results themselves)
     "Shampoo 32-bit, refresh_delay=1": dict(grafting="adam", refresh_delay=1),
-    "SOAP 32-bit, refresh_delay=1": dict(preconditioner="eigenvalue_corrected", refresh_delay=1),
 }
 NOT_KRONECKER = ("grafting_state", "filtered_grad", "momentum", "corrected_eigenvalues")
 

@@ -210,10 +210,10 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             "a side stream) while training goes on, and used from `d` steps later on; the "
             "steps between use the previous result. The numbers depend on `d` only, not on "
             "timing; at most the steps between two refreshes (`precondition_frequency`); "
-            "not with `quantization=\"4bit\"`. Keeps a pending copy of the roots or bases "
-            "(saved in checkpoints, so a save with a refresh pending resumes exactly): "
-            "+37 % of GPT-2 small's 32-bit state. `make_optimizer`, the Trainer and timm "
-            "keep 0 too, until its gain on a GPU is measured. See "
+            "not with `quantization=\"4bit\"`. Checkpoints hold the pending results (a "
+            "save with a refresh pending resumes exactly); between steps the state keeps "
+            "only when each applies. `make_optimizer`, the Trainer and timm keep 0 too, "
+            "until its gain on a GPU is measured. See "
             "[performance](performance.md#refresh_delay)")),
     Keyword("iterate_averaging", None, str, choice(None, "gpa", "schedule_free"),
             scope=scoped('layout'), doc=(

@@ -10,14 +10,19 @@ runs in the background (``Refresher`` with ``background=True``: a worker thread,
 torch's operators let run beside the step because they release the GIL; on CUDA on a side
 stream) or at once.
 
-What a refresh writes (``delayed_state``: the kinds' ``inverse_root_*``,
-``eigenvectors_*``, ``eigenvalues_*``, ``sketch_root_*`` and the eigenvalue-corrected
-kind's column orders) is kept per block as ``pending_<name>`` state with the step it
-applies at (``refresh_due_step``), filled by ``store`` before a checkpoint is packed and
-read back by ``restore`` after a load, so that a save with a refresh pending resumes
-exactly. A decomposition that failed in the background is counted, warned about or
-raised (``ShampooNumericalError``) on the step that applies it, as a synchronous one is
-on the step that computes it.
+What a refresh writes (``outputs``: the kinds' ``inverse_root_*``, ``eigenvectors_*``,
+``eigenvalues_*``, ``sketch_root_*`` and the eigenvalue-corrected kind's column orders)
+is held by the refresh in flight until it applies; a checkpoint holds it per block as
+``pending_<name>`` entries beside the step it applies at (``refresh_due_step``, the one
+piece of it the optimizer keeps between steps), so that a save with a refresh pending
+resumes exactly. ``store`` makes those entries in host memory when a checkpoint is packed
+(every block has them, so the checkpoint's keys and shapes do not depend on what was in
+flight, as ``torch.distributed.checkpoint`` needs) and ``restore`` reads them back after a
+load: between checkpoints they take no memory, and never the GPU's.
+
+A decomposition that failed in the background is counted, warned about or raised
+(``ShampooNumericalError``) on the step that applies it, as a synchronous one is on the
+step that computes it.
 
 The worker never changes torch's thread count (``torch.set_num_threads`` from one thread
 sets it for the whole process, the training thread included): its LAPACK calls run with
@@ -62,11 +67,17 @@ def outputs(stack, group) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 
 def state_shapes(stack, group) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The state ``refresh_delay`` adds: a ``pending_`` copy of every output and the step
-    it applies at (0: none)."""
+    """The checkpoint entries ``refresh_delay`` adds: a ``pending_`` copy of every output
+    (made by ``store`` when a checkpoint is packed, never kept: ``is_pending``) and the
+    step it applies at (0: none; kept)."""
     shapes = {PENDING + name: shape for name, shape in outputs(stack, group).items()}
     shapes[DUE] = ((1,), torch.int64)
     return shapes
+
+
+def is_pending(name: str) -> bool:
+    """Whether a checkpoint entry is a pending result (only in checkpoints, not state)."""
+    return name.startswith(PENDING)
 
 
 @dataclass
@@ -244,22 +255,36 @@ def apply_due(stacks: list, groups: list[dict], steps: list[int]) -> list:
     return changed
 
 
-def store(stacks: list) -> None:
-    """Before a checkpoint is packed: every pending result (waited for) into its blocks'
-    ``pending_`` state with the step it applies at."""
+def store(stacks: list, groups: list[dict]) -> dict[int, dict[str, Tensor]]:
+    """When a checkpoint is packed: every pending result (waited for), with the step it
+    applies at written into the blocks' ``refresh_due_step``; returned as ``pending_``
+    entries of every block of each delayed stack (``id(stack)`` → name → stacked tensor,
+    zeros where a block has nothing pending), made now in host memory, whatever the
+    device (the checkpoint's copy, not the GPU's), and dropped with the checkpoint."""
+    entries: dict[int, dict[str, Tensor]] = {}
     for stack in stacks:
+        if DUE not in stack.state:
+            continue
+        n = len(stack.members)
+        made = entries[id(stack)] = {
+            PENDING + name: torch.zeros((n, *shape), dtype=dtype)
+            for name, (shape, dtype) in outputs(stack, stack.settings(groups)).items()}
         for pending in stack.pending:
             result, _ = _result(pending, stack.device)
-            index = torch.tensor(pending.positions, device=stack.device)
+            rows = torch.tensor(pending.positions)
             for name, value in result.items():
-                target = stack.state[PENDING + name]
-                target.index_copy_(0, index, value.to(target.dtype))
-            stack.state[DUE].index_fill_(0, index, pending.due)
+                target = made[PENDING + name]
+                target.index_copy_(0, rows, value.to("cpu", target.dtype))
+            stack.state[DUE].index_fill_(0, rows.to(stack.device), pending.due)
+    return entries
 
 
-def restore(stacks: list, groups: list[dict]) -> None:
+def restore(stacks: list, groups: list[dict],
+            loaded: dict[int, dict[int, dict[str, Tensor]]] | None = None) -> None:
     """After a load: the results a checkpoint saved as pending (due after its step) wait
-    in the stacks again (one read of the due steps per stack, at the load)."""
+    in the stacks again (one read of the due steps per stack, at the load). ``loaded``:
+    the checkpoint's ``pending_`` entries (``id(stack)`` → position → name → tensor)."""
+    loaded = loaded or {}
     for stack in stacks:
         stack.pending = []
         if DUE not in stack.state:
@@ -270,14 +295,14 @@ def restore(stacks: list, groups: list[dict]) -> None:
         for position, due in enumerate(stack.state[DUE][:, 0].tolist()):
             if due > group["step"]:
                 by_due.setdefault(int(due), []).append(position)
+        rows = loaded.get(id(stack), {})
         for due, positions in sorted(by_due.items()):
-            index = torch.tensor(positions, device=stack.device)
-            result = {name: stack.state[PENDING + name].index_select(0, index)
-                      for name in names}
+            result = {name: torch.stack([rows[p][PENDING + name] for p in positions]).to(
+                stack.device) for name in names}
             future: Future = Future()
             future.set_result(((result, []), None))
             stack.pending.append(Pending(due, positions, future))
 
 
-__all__ = ["DUE", "PENDING", "Pending", "Refresher", "apply_due", "delay_of", "outputs",
-           "restore", "state_shapes", "store", "submit"]
+__all__ = ["DUE", "PENDING", "Pending", "Refresher", "apply_due", "delay_of", "is_pending",
+           "outputs", "restore", "state_shapes", "store", "submit"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import averaging, delayed_refresh, health, step
+from . import averaging, health, step
 from .blocking import expert_shape, is_vector_like
 from .checkpoint import state_dict as saving
 from .checkpoint.consolidate import ranks_accelerate_saves_on
@@ -473,7 +473,6 @@ class DistributedShampoo(torch.optim.Optimizer):
             if carried is not None:
                 saving.unpack_state(carried, self.param_groups, self._layout.owned,
                                     self._distributor, self._layout.blockings)
-                delayed_refresh.restore(self._layout.owned, self.param_groups)
         elif not set(wanted) <= self._layout.blockings.keys():
             self._layout_builder().extend(self._layout, wanted)
         return self._layout
@@ -682,8 +681,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         get blocks too (a checkpoint's frozen parameters)."""
         layout = self._ensure_layout(also=saved)
         saving.unpack_state(state_dict, self.param_groups, layout.owned, self._distributor,
-                            layout.blockings)
-        delayed_refresh.restore(layout.owned, self.param_groups)  # refreshes saved pending
+                            layout.blockings)  # with the refreshes it saved pending
         self._consolidation.forget()
 
     # ------------------------------------------------------------------ copies
@@ -738,6 +736,23 @@ class DistributedShampoo(torch.optim.Optimizer):
         will hold (used to load sharded checkpoints)."""
         with self._own_view():
             return self._owned_state_keys()
+
+    def _checkpoint_only_keys(self, param: Tensor) -> list[str]:
+        """The keys of ``param``'s entry of ``optimizer.state`` (``state_view.py``) that
+        only its checkpoint entry holds (``refresh_delay``'s pending results, made when a
+        checkpoint is packed)."""
+        layout = self._layout
+        if layout is None:
+            return []
+        keys = []
+        for stack in layout.owned:
+            if not any(block.param is param for block in stack.members):
+                continue
+            group = stack.settings(self.param_groups)
+            only = [n for n in stack.expected_state(group) if n not in stack.resident_state(group)]
+            keys += [f"block_{block.block_index}.{n}" for block in stack.members
+                     if block.param is param for n in only]
+        return keys
 
     def _owned_state_keys(self) -> list[tuple[int, str]]:
         layout = self._ensure_layout()

@@ -186,7 +186,8 @@ class BlockStack:
 
     # ----------------------------------------------------------------- state layout
     def expected_state(self, group: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name → (per-block shape, dtype) of every state tensor this group needs."""
+        """Name → (per-block shape, dtype) of every state tensor this group's checkpoint
+        entries hold (``resident_state``: those kept between steps)."""
         shapes = kind_of(group).state_shapes(self, group)
         shapes.update(update_rules.state_shapes(group, self.shape, self.work_dtype))
         if delayed_refresh.delay_of(group):
@@ -201,10 +202,16 @@ class BlockStack:
             return float(sum(self.state_bytes(group).values()))
         return float(kind_of(group).step_flops(self.shape, group))
 
+    def resident_state(self, group: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The part of ``expected_state`` the stack keeps between steps: all of it but the
+        ``pending_`` results of ``refresh_delay``, which only checkpoints hold."""
+        return {name: shape for name, shape in self.expected_state(group).items()
+                if not delayed_refresh.is_pending(name)}
+
     def state_bytes(self, group: dict) -> dict[str, int]:
-        """Name → bytes of one block's state tensor (of ``expected_state``)."""
+        """Name → bytes of one block's state tensor (of ``resident_state``)."""
         return {name: math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-                for name, (shape, dtype) in self.expected_state(group).items()}
+                for name, (shape, dtype) in self.resident_state(group).items()}
 
     def materialize(self, group: dict) -> None:
         """Allocate missing state (identity roots and bases, zeros elsewhere) and move the
@@ -213,7 +220,7 @@ class BlockStack:
         for name, tensor in self.state.items():
             if tensor.device != device:
                 self.state[name] = tensor.to(device)
-        for name, (shape, dtype) in self.expected_state(group).items():
+        for name, (shape, dtype) in self.resident_state(group).items():
             if name in self.state:
                 continue
             self.state[name] = kind_of(group).initial_state(name, shape, dtype, n, device)

@@ -128,13 +128,19 @@ class StateView(MutableMapping):
         if not isinstance(param, Tensor):
             return self.foreign[param]
         found = self._stacked().get(id(param))
-        if found is None and _asked_by_torch_unflatten():
+        _, extra = self._extra.setdefault(id(param), (param, {}))
+        if _asked_by_torch_unflatten():
             # torch's set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) takes
             # the names of each parameter's state from this entry: lay the state out first
-            # (as state_dict() does), else it would load nothing, silently
-            self._optimizer._materialize_owned_state()
-            found = self._stacked().get(id(param))
-        _, extra = self._extra.setdefault(id(param), (param, {}))
+            # (as state_dict() does), else it would load nothing, silently; and list the
+            # entries only checkpoints hold (refresh_delay's pending results), else torch
+            # would leave them out of what it loads
+            if found is None:
+                self._optimizer._materialize_owned_state()
+                found = self._stacked().get(id(param))
+            views = found[1] if found is not None else {}
+            names = dict.fromkeys(self._optimizer._checkpoint_only_keys(param))
+            return StateEntry({**views, **names}, extra)
         return StateEntry(found[1] if found is not None else {}, extra)
 
     def __contains__(self, param: object) -> bool:

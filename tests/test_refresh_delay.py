@@ -5,12 +5,13 @@ What a user relies on: the background run equals the same delayed result compute
 bit for bit, for every kind that refreshes and both schedules; the roots used from step
 ``t + d`` are those of step ``t``'s factors (a dense float64 formula) and the steps between
 keep the previous ones; a save with a refresh pending resumes exactly (``state_dict``,
-``deepcopy``); a block grafts until its first roots arrive; a decomposition that fails in
-the background is reported on the step that applies it; bad values are refused; no worker
-thread outlives its optimizer. Device-generic (``HF_SHAMPOO_TEST_DEVICE=cuda``: the side
-stream); without a GPU the CUDA branch runs against a log of CUDA's stream API, which checks
-the order of its events and streams. Distributed layouts draw ``refresh_delay`` in
-tests/test_generated_*layouts.py.
+``deepcopy``, DCP; the Trainer in tests/test_integration_transformers.py), and only
+checkpoints hold pending results; a block grafts until its first roots arrive; a
+decomposition that fails in the background is reported on the step that applies it; bad
+values are refused; no worker thread outlives its optimizer. Device-generic
+(``HF_SHAMPOO_TEST_DEVICE=cuda``: the side stream); without a GPU the CUDA branch runs
+against a log of CUDA's stream API, which checks the order of its events and streams.
+Distributed layouts draw ``refresh_delay`` in tests/test_generated_*layouts.py.
 """
 
 from __future__ import annotations
@@ -123,6 +124,48 @@ def test_a_save_with_a_refresh_pending_resumes_exactly(name, via, tmp_path):
     reference = train(3, kw)
     for at in (4, 5, 6, 9):  # pending refreshes of the first and of later rounds
         assert_identical(reference, train(3, kw, resume_at=at, via=via, directory=tmp_path))
+
+
+def test_pending_results_are_held_by_checkpoints_not_by_the_state():
+    """Between steps a delayed optimizer keeps, of its refreshes, only the step each
+    block's pending result applies at (no second copy of the roots); a state dict taken
+    with refreshes pending has a ``pending_`` entry for every block (the same keys and
+    shapes whatever is in flight, as torch.distributed.checkpoint needs), and a pending
+    block's entry is the root the optimizer uses from its due step on."""
+    ps = params()
+    opt = make(ps, 3, grafting="adam", epsilon=1e-8, refresh_schedule="staggered")
+    steps = gradients(13)
+    for grads in steps[:5]:  # refreshes pending now: due at steps 7 and 8 (f = 4, d = 3)
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        opt.step()
+    for p in ps:
+        assert not [k for k in opt.state[p] if "pending_" in k]
+        assert [k for k in opt.state[p] if k.endswith(".refresh_due_step")]
+    saved = opt.state_dict()
+    pending = {}
+    for index, entry in saved["state"].items():
+        blocks = {k.split(".")[0] for k in entry}
+        for block in blocks:
+            names = {k.split(".", 1)[1] for k in entry if k.startswith(block + ".")}
+            roots = {n for n in names if n.startswith("inverse_root_")}
+            assert roots and {"pending_" + n for n in roots} <= names, (index, block)
+            for n in roots:
+                assert entry[f"{block}.pending_{n}"].shape == entry[f"{block}.{n}"].shape
+            due = int(entry[f"{block}.refresh_due_step"])
+            if due > 5:
+                pending[(index, block)] = (due, {n: entry[f"{block}.pending_{n}"].clone()
+                                                 for n in roots})
+    assert pending, "no refresh was pending at the save"
+    for t, grads in enumerate(steps[5:], start=6):
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        opt.step()
+        for (index, block), (due, roots) in pending.items():
+            if due == t:
+                for n, root in roots.items():
+                    assert torch.equal(opt.state[ps[index]][f"{block}.{n}"], root)
+    assert max(due for due, _ in pending.values()) <= 13
 
 
 def test_roots_are_the_factors_of_the_refresh_step_and_apply_d_steps_later():

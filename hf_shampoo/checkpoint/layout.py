@@ -19,6 +19,7 @@ import torch
 
 from ..blocking import ParamBlocking
 from ..config import LAYOUT_KEYS, RUNTIME_KEYS
+from ..delayed_refresh import is_pending
 
 # "block_{b}.{name}"; with fsdp_mode="local", "shard{s}of{n}.block_{b}.{name}"
 _KEY = re.compile(r"^(shard\d+of\d+\.)?block_(\d+)\.(\w+)$")
@@ -27,12 +28,15 @@ _KEY = re.compile(r"^(shard\d+of\d+\.)?block_(\d+)\.(\w+)$")
 def pack(
     param_groups: list[dict], owned_stacks: list, rank: int = 0, world_size: int = 1,
     complete: bool = True, prefix: str = "", laid_out: Iterable[int] | None = None,
+    extra: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """The state dict of ``owned_stacks``. ``"shard"`` records whose blocks it holds: a
     state that is not ``complete`` (one rank's blocks of a distributed run) must hold
     every block the loading rank owns, so that a rank-0-only save never silently resumes
     without state. ``prefix`` starts every key (``fsdp_mode="local"``). ``laid_out``: the
-    parameters that have blocks (None: all); a frozen one has no entry, as in torch."""
+    parameters that have blocks (None: all); a frozen one has no entry, as in torch.
+    ``extra``: entries packed beside a stack's state (``id(stack)`` → name → stacked
+    tensor: ``refresh_delay``'s pending results)."""
     groups, index = [], 0
     first: dict[int, int] = {}  # a tensor listed twice is one parameter: keyed by identity
     for group in param_groups:
@@ -46,12 +50,14 @@ def pack(
     # torch.distributed.checkpoint's set_optimizer_state_dict (strict) wants one per parameter
     laid_out = sorted(set(first.values())) if laid_out is None else sorted(laid_out)
     state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in laid_out}
+    extra = extra or {}
     for stack in owned_stacks:
         if not stack.state:
             continue
+        tensors = {**stack.state, **extra.get(id(stack), {})}
         for i, block in enumerate(stack.members):
             entry = state.setdefault(block.param_index, {})
-            for name, tensor in stack.state.items():
+            for name, tensor in tensors.items():
                 entry[f"{prefix}block_{block.block_index}.{name}"] = tensor[i]
     shard = {"rank": rank, "world_size": world_size, "complete": complete}
     return {"state": state, "param_groups": groups, "shard": shard}
@@ -136,11 +142,13 @@ def _refuse(message: str) -> None:
 def unpack(
     state_dict: dict[str, Any], param_groups: list[dict], owned_stacks: list,
     rank: int = 0, world_size: int = 1, prefix: str = "", blockings: dict | None = None,
-) -> None:
+) -> dict[int, dict[int, dict[str, torch.Tensor]]]:
     """Validate ``state_dict`` against this optimizer completely, then load it.
 
     ``prefix``: this rank's key prefix (``fsdp_mode="local"``); ``blockings``: each
-    parameter's blocking (default: of its full shape)."""
+    parameter's blocking (default: of its full shape). Returns the entries that are not
+    state (``refresh_delay``'s pending results: ``id(stack)`` → position → name →
+    tensor), for ``delayed_refresh.restore``."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         _refuse("expected a dict with 'state' and 'param_groups'")
     shard = state_dict.get("shard")
@@ -248,6 +256,7 @@ def unpack(
             if merged["param_names"] is None:
                 del merged["param_names"]
         group.update({k: v for k, v in merged.items() if k != "params"})
+    pending: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
     for stack in owned_stacks:
         stack.state.clear()
         stack.failures.clear()
@@ -257,7 +266,11 @@ def unpack(
         stack.materialize(stack.settings(param_groups))
         for i, tensors in members.items():
             for name, tensor in tensors.items():
-                stack.state[name][i].copy_(tensor)
+                if is_pending(name):
+                    pending.setdefault(id(stack), {}).setdefault(i, {})[name] = tensor
+                else:
+                    stack.state[name][i].copy_(tensor)
+    return pending
 
 
 def _check_blocks_exist(saved_state, id_to_index, param_groups, prefix="", blockings=None):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..delayed_refresh import store as store_pending
+from .. import delayed_refresh
 from . import layout as checkpoint
 from .consolidate import gather_state
 
@@ -30,21 +30,23 @@ from .consolidate import gather_state
 def pack_state(param_groups: list[dict], owned: list, distributor, blockings: dict
                ) -> dict[str, Any]:
     """The state dict of this rank's ``owned`` stacks, marked complete or not (with the
-    refreshes pending under ``refresh_delay`` stored in their blocks' state first)."""
-    store_pending(owned)
+    refreshes pending under ``refresh_delay`` waited for and packed beside the state)."""
+    pending = delayed_refresh.store(owned, param_groups)
     rank, world = distributor.global_rank_and_world()
     return checkpoint.pack(param_groups, owned, rank, world,
                            not distributor.is_sharded_state, distributor.state_key_prefix,
-                           blockings.keys())
+                           blockings.keys(), pending)
 
 
 def unpack_state(state_dict: dict[str, Any], param_groups: list[dict], owned: list,
                  distributor, blockings: dict) -> None:
     """Load the blocks this rank owns from ``state_dict`` (``layout.unpack``: refused,
-    before anything changes, when it does not fit)."""
+    before anything changes, when it does not fit); the refreshes it saved pending under
+    ``refresh_delay`` wait in the stacks again."""
     rank, world = distributor.global_rank_and_world()
-    checkpoint.unpack(state_dict, param_groups, owned, rank, world,
-                      distributor.state_key_prefix, blockings)
+    pending = checkpoint.unpack(state_dict, param_groups, owned, rank, world,
+                                distributor.state_key_prefix, blockings)
+    delayed_refresh.restore(owned, param_groups, pending)
 
 
 class Consolidation:
