@@ -737,21 +737,20 @@ class DistributedShampoo(torch.optim.Optimizer):
         with self._own_view():
             return self._owned_state_keys()
 
-    def _checkpoint_only_keys(self, param: Tensor) -> list[str]:
-        """The keys of ``param``'s entry of ``optimizer.state`` (``state_view.py``) that
-        only its checkpoint entry holds (``refresh_delay``'s pending results, made when a
-        checkpoint is packed)."""
-        layout = self._layout
-        if layout is None:
-            return []
-        keys = []
-        for stack in layout.owned:
-            if not any(block.param is param for block in stack.members):
-                continue
+    def _checkpoint_only_keys(self) -> dict[int, list[str]]:
+        """``id(param)`` → the keys of its entry of ``optimizer.state`` (``state_view.py``)
+        that only its checkpoint entry holds (``refresh_delay``'s pending results, made
+        when a checkpoint is packed)."""
+        keys: dict[int, list[str]] = {}
+        if self._layout is None:
+            return keys
+        for stack in self._layout.owned:
             group = stack.settings(self.param_groups)
-            only = [n for n in stack.expected_state(group) if n not in stack.resident_state(group)]
-            keys += [f"block_{block.block_index}.{n}" for block in stack.members
-                     if block.param is param for n in only]
+            resident = stack.resident_state(group)
+            only = [n for n in stack.expected_state(group) if n not in resident]
+            for block in stack.members if only else ():
+                keys.setdefault(id(block.param), []).extend(
+                    f"block_{block.block_index}.{n}" for n in only)
         return keys
 
     def _owned_state_keys(self) -> list[tuple[int, str]]:

@@ -74,6 +74,7 @@ class StateView(MutableMapping):
         # the map of views and what it was built from: (layout, its owned stacks, the
         # count of state changes); ``rebuilds`` counts the builds
         self._map: dict[int, tuple[Tensor, dict[str, Tensor]]] = {}
+        self._only: dict[int, list[str]] | None = None  # keys only checkpoints hold
         self._built_from: tuple | None = None
         self.rebuilds = 0
 
@@ -86,6 +87,13 @@ class StateView(MutableMapping):
     def __delitem__(self, key: Any) -> None:
         del self.foreign[key]
 
+    def _checkpoint_only(self) -> dict[int, list[str]]:
+        """``id(param)`` → its keys only checkpoints hold, built with the map of views."""
+        self._stacked()
+        if self._only is None:
+            self._only = self._optimizer._checkpoint_only_keys()
+        return self._only
+
     def _stacked(self) -> dict[int, tuple[Tensor, dict[str, Tensor]]]:
         """``id(param)`` → (param, its blocks' views): rebuilt only when the layout, its
         owned stacks or the tensors some stack holds changed since the last build."""
@@ -95,6 +103,7 @@ class StateView(MutableMapping):
         if built is None or any(a is not b for a, b in zip(source[:2], built[:2])) \
                 or source[2] != built[2]:
             self._map, self._built_from = self._build(layout), source
+            self._only = None
             self.rebuilds += 1
         return self._map
 
@@ -139,7 +148,7 @@ class StateView(MutableMapping):
                 self._optimizer._materialize_owned_state()
                 found = self._stacked().get(id(param))
             views = found[1] if found is not None else {}
-            names = dict.fromkeys(self._optimizer._checkpoint_only_keys(param))
+            names = dict.fromkeys(self._checkpoint_only().get(id(param), []))
             return StateEntry({**views, **names}, extra)
         return StateEntry(found[1] if found is not None else {}, extra)
 
