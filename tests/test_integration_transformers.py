@@ -355,14 +355,16 @@ def test_unmodified_script_single_process_resume(tmp_path):
     assert losses["8"] < losses["1"]
 
 
-def test_trainer_resume_with_refreshes_pending_is_exact(tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_trainer_resume_with_refreshes_pending_is_exact(tmp_path, ranks):
     """``refresh_delay=1`` through ``optim_args``: the Trainer's checkpoint at step 4 holds
-    refreshes still pending (staggered, f = 2: due at step 5), and the resumed run's
-    losses and parameters equal the uninterrupted run's, bit for bit."""
+    refreshes still pending (staggered, f = 2: due at step 5; on 2 ranks gathered into
+    rank 0's file), and the resumed run's losses and parameters equal the uninterrupted
+    run's, bit for bit."""
     worker_args = list(WORKER_ARGS)
     at = worker_args.index("--optim_args") + 1
     worker_args[at] += ",refresh_delay=1"
-    train_and_resume(tmp_path, worker_args, 1)
+    train_and_resume(tmp_path, worker_args, ranks)
     saved = torch.load(tmp_path / "out" / "checkpoint-4" / "optimizer.pt", weights_only=True)
     due = [int(t) for entry in saved["state"].values() for key, t in entry.items()
            if key.endswith(".refresh_due_step")]
