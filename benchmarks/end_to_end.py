@@ -7,7 +7,8 @@ Every optimizer gets the same model initialisation and batches, each run a fresh
 the model, one after the other: ``resnet50`` (timm, ``channels_last``, synthetic
 ImageNet-shaped batches, autocast, a plain loop; Shampoo staggered and ``"all"``) and
 ``gpt2`` (GPT-2 small through the transformers ``Trainer``: ``optim="adamw_torch_fused"``
-against ``optim="distributed_shampoo"`` with ``optim_args``, step times from a callback).
+against ``optim="distributed_shampoo"`` with ``optim_args``, step times from a callback;
+the Trainer's defaults, ``refresh_delay=1`` among them, unless a row says otherwise).
 
 Window: preconditioning starts at step F and the staggered schedule delays each block by
 an offset in [0, F), so the last block's first refresh is step 2F - 1. After 2F + 1
@@ -69,7 +70,7 @@ def variant_keywords(args) -> dict[str, tuple[dict, str]]:
     """The Shampoo rows beyond the two schedules, ``--variants`` and ``--refresh-delay``:
     name → (keywords, the same as optim_args)."""
     out = {variant: VARIANTS[variant] for variant in args.variants}
-    if args.refresh_delay:
+    if args.refresh_delay is not None:
         d = args.refresh_delay
         out[f"refresh_delay={d}"] = (dict(refresh_delay=d), f"refresh_delay={d}")
     return out
@@ -405,8 +406,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[],
                         help="also staggered Shampoo with these GPU-oriented options")
-    parser.add_argument("--refresh-delay", type=int, default=0,
-                        help="also Shampoo staggered with this refresh_delay (<= frequency)")
+    parser.add_argument("--refresh-delay", type=int, default=None,
+                        help="also Shampoo staggered with this refresh_delay (<= frequency; "
+                             "the Trainer's default is 1, the plain class's 0)")
     parser.add_argument("--muon", action="store_true",
                         help="GPT-2: also optim=distributed_muon (goal: <= 1.05x AdamW); "
                         "with --variants fused, Muon with stacking=fused too")

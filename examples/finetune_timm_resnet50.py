@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ summary
     mean_losses = accelerator.reduce(torch.stack(losses), reduction="mean").cpu()
     accuracy = evaluate(model, eval_loader, accelerator) if eval_loader is not None else None
-    state = base_optimizer.state_dict()["state"]  # this rank's blocks only; no communication
+    # what this rank keeps between steps (torch's per-parameter view: this rank's blocks
+    # only, no communication; a checkpoint can hold more, such as pending refreshes)
+    state = list(base_optimizer.state.values())
     per_rank = gather_object([(accelerator.process_index, state_bytes(state),
                                sum(opt_s) / len(opt_s))])
     health = base_optimizer.metrics() if is_shampoo else None  # every rank: a collective
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     if refresh:
         line += f"; refresh steps {_ms(refresh)} ({len(refresh)}x), other steps {_ms(other)}"
     print(line)
-    print("optimizer state per rank (tensors in optimizer.state_dict()['state']): " + ", ".join(
+    print("optimizer state per rank (tensors in optimizer.state): " + ", ".join(
         f"rank {rank}: {mib(nbytes)}" for rank, nbytes, _ in sorted(per_rank)))
     print("mean optimizer.step time per rank: " + ", ".join(
         f"rank {rank}: {1e3 * t:.0f} ms" for rank, _, t in sorted(per_rank)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -212,8 +213,8 @@ COMMON_KEYWORDS: tuple[Keyword, ...] = (
             "timing; at most the steps between two refreshes (`precondition_frequency`); "
             "not with `quantization=\"4bit\"`. Checkpoints hold the pending results (a "
             "save with a refresh pending resumes exactly); between steps the state keeps "
-            "only when each applies. `make_optimizer`, the Trainer and timm keep 0 too, "
-            "until its gain on a GPU is measured. See "
+            "only when each applies. `make_optimizer`, the Trainer and timm default to 1 "
+            "(0 where a group refuses a delay); a checkpoint resumes with its own. See "
             "[performance](performance.md#refresh_delay)")),
     Keyword("iterate_averaging", None, str, choice(None, "gpa", "schedule_free"),
             scope=scoped('layout'), doc=(
@@ -314,14 +315,28 @@ ADAMW_STYLE: dict[str, Any] = {
     "grafting_epsilon": 1e-8,
     "weight_decay_type": "decoupled",
     "refresh_schedule": "staggered",
+    # each refresh computed beside the next step and used one step later (docs/performance.md
+    # #refresh_delay: no cost in convergence or memory); see adamw_style_refresh_delay
+    "refresh_delay": 1,
 }
+
+
+def adamw_style_refresh_delay(settings: Mapping[str, Any]) -> int:
+    """The ``refresh_delay`` that ``make_optimizer``, the Trainer and timm give a group (or
+    the optimizer) with these settings when the user names none: ``ADAMW_STYLE``'s, and 0
+    where a delay is refused: 4-bit state (its refresh rebuilds the statistics) and
+    ``apply_precision="tf32"`` (whose switch is the process's on CUDA)."""
+    if settings.get("quantization") == "4bit" or settings.get("apply_precision") == "tf32":
+        return 0
+    return ADAMW_STYLE["refresh_delay"]
 # Keywords that describe the whole optimizer, not one group: they must agree across groups.
 GLOBAL_KEYS = tuple(name for name, row in TABLE.items() if "global" in row.scope)
 # Keywords that say how this process runs the step, not what it computes: a checkpoint's
 # values of them are not loaded (the optimizer's own stay).
 RUNTIME_KEYS = tuple(name for name, row in TABLE.items() if "runtime" in row.scope)
 # Keywords that decide which state tensors exist and how parameters are blocked. They are
-# fixed once state exists, and a checkpoint must agree with them to be loaded.
+# fixed once state exists, and a checkpoint must agree with them to be loaded (except
+# refresh_delay, whose saved value the load takes: checkpoint/layout.py ADOPTED).
 LAYOUT_KEYS = tuple(name for name, row in TABLE.items() if "layout" in row.scope)
 PRECONDITIONERS = tuple(KINDS)
 # The keywords some kind declares (the rest are common), and the kinds that read each.
@@ -523,5 +538,6 @@ if __name__ == "__main__":
     print("hf_shampoo/optimizer.py's signature "
           + ("updated" if update_signature_source() else "already agrees"))
 
-__all__ = ["DEFAULTS", "GLOBAL_KEYS", "KIND_KEYWORDS", "LAYOUT_KEYS", "RUNTIME_KEYS", "TABLE",
-           "diagonal_dims", "did_you_mean", "is_elongated", "keyword_acts", "validate_group"]
+__all__ = ["ADAMW_STYLE", "DEFAULTS", "GLOBAL_KEYS", "KIND_KEYWORDS", "LAYOUT_KEYS", "RUNTIME_KEYS",
+           "TABLE", "adamw_style_refresh_delay", "diagonal_dims", "did_you_mean", "is_elongated",
+           "keyword_acts", "validate_group"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .config import ADAMW_STYLE, DEFAULTS, did_you_mean
+from .config import ADAMW_STYLE, DEFAULTS, adamw_style_refresh_delay, did_you_mean
 from .model_rules import PRESETS, Preset, param_groups
 from .optimizer import DistributedShampoo, ShampooKeywords
 from .preconditioners import KINDS
@@ -25,10 +25,24 @@ if TYPE_CHECKING:
 
 # What make_optimizer(defaults="adamw") sets over the class's (Meta's) defaults, so that
 # AdamW's learning rate works (docs/hyperparameters.md; benchmarks/digits_defaults.py), and
-# so that no step waits for every block's refresh at once: the staggered schedule spreads
-# the refreshes over the precondition_frequency window (docs/performance.md)
-ADAMW_DEFAULTS: dict[str, Any] = {key: ADAMW_STYLE[key]
-                                  for key in ("grafting", "betas", "refresh_schedule")}
+# so that no step waits for a refresh: the staggered schedule spreads the refreshes over
+# the precondition_frequency window, and each is computed beside the next step and used
+# one step later (refresh_delay, except where a delay is refused: delayed_groups;
+# docs/performance.md)
+ADAMW_DEFAULTS: dict[str, Any] = {key: ADAMW_STYLE[key] for key in
+                                  ("grafting", "betas", "refresh_schedule", "refresh_delay")}
+
+
+def delayed_groups(groups: list[dict[str, Any]], defaults: Mapping[str, Any]
+                   ) -> list[dict[str, Any]]:
+    """``groups`` with ``refresh_delay=0`` set in those whose own settings refuse the
+    default delay (``adamw_style_refresh_delay``: 4-bit state, ``apply_precision="tf32"``)
+    and name no ``refresh_delay`` themselves; ``defaults``: the optimizer's keywords."""
+    if not defaults.get("refresh_delay"):
+        return groups
+    return [group if "refresh_delay" in group
+            or adamw_style_refresh_delay({**defaults, **group}) else
+            {**group, "refresh_delay": 0} for group in groups]
 
 
 # make_optimizer(memory=...): how the large Kronecker factors of the whole model are stored
@@ -117,8 +131,10 @@ def make_optimizer(
 
     ``weight_decay`` among them applies to the decayed parameters only. ``defaults="adamw"``
     (the default) takes AdamW's learning rate: Adam grafting (``grafting="adam"``) and
-    AdamW's betas ``(0.9, 0.999)`` unless given, as the Trainer does, and staggered
+    AdamW's betas ``(0.9, 0.999)`` unless given, as the Trainer does, staggered
     refreshes (``refresh_schedule="staggered"``: no step refreshes every block at once)
+    computed beside the next step and used one step later (``refresh_delay=1``; 0 for
+    groups with 4-bit state or ``apply_precision="tf32"``, where a delay is refused)
     (``ADAMW_DEFAULTS``; presets of spectral descent, ``"muon"``, set their own grafting
     and keep the class's defaults); ``defaults="meta"`` keeps the class's, which are Meta's
     (no grafting, ``betas=(0.9, 1.0)``, every block refreshed on the same steps), whose
@@ -148,8 +164,12 @@ def make_optimizer(
                          f"{did_you_mean(defaults, ('adamw', 'meta'))}")
     chosen = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
     keywords: dict[str, Any] = dict(shampoo_kwargs)  # a plain dict from here
+    default_delay = False
     if defaults == "adamw" and not getattr(chosen, "spectral_roles", None):
+        default_delay = "refresh_delay" not in keywords
         keywords = {**ADAMW_DEFAULTS, **keywords}
+        if default_delay:
+            keywords["refresh_delay"] = adamw_style_refresh_delay(keywords)
     weight_decay = keywords.pop("weight_decay", 0.0)
     groups = param_groups(
         model,
@@ -160,6 +180,8 @@ def make_optimizer(
         defaults=keywords,
         vocab_size=vocab_size,
     )
+    if default_delay:
+        groups = delayed_groups(groups, keywords)
     if memory == "sketch":
         every = sketch_statistics_frequency(memory, keywords)
         groups = sketch_groups(groups, keywords, every)

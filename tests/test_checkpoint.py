@@ -207,12 +207,12 @@ def test_load_refuses_a_block_missing_one_of_its_tensors():
 
 
 def test_load_sharded_refuses_a_checkpoint_with_other_state_tensors(tmp_path, monkeypatch):
-    """``load_sharded`` reads the tensors this optimizer's blocks keep: a checkpoint whose
+    """``load_sharded`` reads every tensor saved for this rank's blocks: a checkpoint whose
     blocks keep others under the same settings (here 4-bit factors quantised below the
-    library's floor when saved, unquantised when loaded) is refused, where it used to load
-    the tensors both have and leave the rest at their initial values. Found by the
-    generated DDP cases (a resume that built its optimizer outside the floor the saving
-    run had)."""
+    library's floor when saved, unquantised when loaded) is refused, naming a tensor this
+    optimizer does not keep, where it used to load the tensors both have and leave the
+    rest at their initial values. Found by the generated DDP cases (a resume that built its
+    optimizer outside the floor the saving run had)."""
     from hf_shampoo import quantization
     from hf_shampoo.checkpoint import load_sharded, save_sharded
 
@@ -227,7 +227,7 @@ def test_load_sharded_refuses_a_checkpoint_with_other_state_tensors(tmp_path, mo
     save_sharded(opt, tmp_path / "ckpt")
     monkeypatch.undo()
     fresh = DistributedShampoo(list(make_params().values()), **config)
-    with pytest.raises(ValueError, match="lacks its"):
+    with pytest.raises(ValueError, match="has unexpected state 'factor_eigenvalues_0'"):
         load_sharded(fresh, tmp_path / "ckpt")
 
 

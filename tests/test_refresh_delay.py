@@ -70,9 +70,12 @@ def gradients(steps: int, seed: int = 1) -> list[list[torch.Tensor]]:
 
 def train(delay: int, kw: dict, steps: int = 13, background: bool = True,
           resume_at: int | None = None, via: str = "state_dict",
-          directory=None) -> list[torch.Tensor]:
+          directory=None, resume_delay: int | None = None) -> list[torch.Tensor]:
+    """``resume_delay``: the ``refresh_delay`` the optimizer that loads is built with (the
+    checkpoint's is taken)."""
     ps = params()
     opt = make(ps, delay, background, **kw)
+    resumed = delay if resume_delay is None else resume_delay
     for t, grads in enumerate(gradients(steps), start=1):
         for p, g in zip(ps, grads):
             p.grad = g.clone()
@@ -89,13 +92,14 @@ def train(delay: int, kw: dict, steps: int = 13, background: bool = True,
                     warnings.simplefilter("ignore")  # "assuming ... a single process"
                     save_sharded(opt, where)
                     ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-                    opt = make(ps, delay, background, **kw)
+                    opt = make(ps, resumed, background, **kw)
                     load_sharded(opt, where)
             else:
                 saved = copy.deepcopy(opt.state_dict())
                 ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-                opt = make(ps, delay, background, **kw)
+                opt = make(ps, resumed, background, **kw)
                 opt.load_state_dict(saved)
+                assert [g["refresh_delay"] for g in opt.param_groups] == [delay]
     return [p.detach().clone() for p in ps]
 
 
@@ -124,6 +128,22 @@ def test_a_save_with_a_refresh_pending_resumes_exactly(name, via, tmp_path):
     reference = train(3, kw)
     for at in (4, 5, 6, 9):  # pending refreshes of the first and of later rounds
         assert_identical(reference, train(3, kw, resume_at=at, via=via, directory=tmp_path))
+
+
+@pytest.mark.parametrize("via", ["state_dict", "dcp"])
+@pytest.mark.parametrize("saved, built", [(0, 3), (3, 0), (3, 1)])
+def test_a_checkpoint_resumes_with_its_own_delay(saved, built, via, tmp_path):
+    """A checkpoint saved with one ``refresh_delay`` (0: Meta's, and the defaults before
+    ``make_optimizer`` and the Trainer took 1) loaded into an optimizer built with another
+    takes the saved one, as torch loads a saved lr, and the resumed run is the
+    uninterrupted one, bit for bit, also with refreshes pending at the save."""
+    if via == "dcp" and TEST_DEVICE.type != "cpu":
+        pytest.skip("torch.distributed.checkpoint without a process group: on the CPU")
+    kw = KINDS["shampoo"] | {"refresh_schedule": "staggered"}
+    reference = train(saved, kw)
+    for at in (5, 6):
+        assert_identical(reference, train(saved, kw, resume_at=at, via=via,
+                                          directory=tmp_path / f"{at}", resume_delay=built))
 
 
 def test_pending_results_are_held_by_checkpoints_not_by_the_state():

@@ -86,10 +86,14 @@ def load_sharded(optimizer, checkpoint_dir: str | os.PathLike) -> None:
     every rank before anything is loaded."""
     saved = read_checked_metadata(checkpoint_dir).state_dict_metadata
     template: dict[str, Any] = {GROUPS_KEY: b""}
-    for key in optimizer.owned_state_keys():
-        flat_key = f"state.{key[0]}.{key[1]}"
-        meta = saved.get(flat_key)
-        if meta is not None:
+    # every entry saved for a block this rank owns, also those this optimizer's settings
+    # would not make (a refresh_delay the checkpoint has and this optimizer lacks: the
+    # load takes the checkpoint's); which entries a block needs, the load checks
+    owned = {(str(index), key.rsplit(".", 1)[0]) for index, key in optimizer.owned_state_keys()}
+    for flat_key, meta in saved.items():
+        parts = flat_key.split(".", 2)
+        if len(parts) == 3 and parts[0] == "state" \
+                and (parts[1], parts[2].rsplit(".", 1)[0]) in owned:
             template[flat_key] = torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
     _read(checkpoint_dir, template, optimizer.distributor.process_group)
     optimizer.load_state_dict(unflatten(template))

@@ -21,6 +21,13 @@ from ..blocking import ParamBlocking
 from ..config import LAYOUT_KEYS, RUNTIME_KEYS
 from ..delayed_refresh import is_pending
 
+# Layout keywords a checkpoint may hold another value of: the saved one is taken. A
+# refresh_delay changes only whether each block keeps its due step (and what the
+# checkpoint holds pending), so a run saved with one delay resumes with it, exactly, in an
+# optimizer built with another (make_optimizer, the Trainer and timm default to 1 after
+# 0.2.0: their checkpoints from before resume as they were saved).
+ADOPTED = ("refresh_delay",)
+
 # "block_{b}.{name}"; with fsdp_mode="local", "shard{s}of{n}.block_{b}.{name}"
 _KEY = re.compile(r"^(shard\d+of\d+\.)?block_(\d+)\.(\w+)$")
 
@@ -169,6 +176,8 @@ def unpack(
                 f"{len(group['params'])} here"
             )
         for key in LAYOUT_KEYS:
+            if key in ADOPTED and key in saved:
+                continue  # the checkpoint's value is loaded, as torch loads a saved lr
             if key in saved and saved[key] != group[key]:
                 _refuse(f"group {gi} has {key}={saved[key]!r}, this optimizer {group[key]!r}")
         for saved_id in saved["params"]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..config import ADAMW_STYLE
+from ..config import ADAMW_STYLE, adamw_style_refresh_delay
 from ..optimizer import DistributedShampoo
 from ..optional import require
 from ..preconditioners import KINDS
@@ -76,11 +76,13 @@ class _TimmOptimizer(DistributedShampoo):
     def _adamw_defaults(betas: tuple, eps: float, kwargs: dict[str, Any]) -> None:
         """What every name sets alike (``config.ADAMW_STYLE``): the grafting method's
         second moment with AdamW's ``betas[1]`` and ``eps``, decoupled weight decay,
-        staggered refreshes."""
+        staggered refreshes, each computed beside the next step and used one step later
+        (``refresh_delay=1``; 0 with 4-bit state or ``apply_precision="tf32"``)."""
         kwargs.setdefault("grafting_beta2", betas[1])
         kwargs.setdefault("grafting_epsilon", eps)
         for key in ("weight_decay_type", "refresh_schedule"):
             kwargs.setdefault(key, ADAMW_STYLE[key])
+        kwargs.setdefault("refresh_delay", adamw_style_refresh_delay(kwargs))
 
 
 class TimmShampoo(_TimmOptimizer):
@@ -95,7 +97,8 @@ class TimmShampoo(_TimmOptimizer):
     with it); an explicit ``epsilon > 0`` selects the perturbation (Meta's default).
     Refreshes are staggered (``refresh_schedule="staggered"``: each block on its own step of
     the ``precondition_frequency`` window, so no step waits for all of them; ``"all"`` is
-    Meta's). ``foreach`` is accepted and ignored. Any other
+    Meta's) and computed beside the next step, used one step later (``refresh_delay=1``;
+    Meta's is 0). ``foreach`` is accepted and ignored. Any other
     ``DistributedShampoo`` keyword (``precondition_frequency=...``) passes through, and wins
     over these defaults. See ``timm_param_groups`` for ``diagonal_1d`` / ``apply_lr_scale``.
     A ``DistributedShampoo`` subclass, so timm's registry holds a real optimizer class.

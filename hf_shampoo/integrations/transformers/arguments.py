@@ -26,11 +26,17 @@ from ...config import (
     ADAMW_STYLE,
     DEFAULTS,
     TABLE,
+    adamw_style_refresh_delay,
     did_you_mean,
     inert_keywords,
     validate_group,
 )
-from ...factory import check_memory, sketch_groups, sketch_statistics_frequency
+from ...factory import (
+    check_memory,
+    delayed_groups,
+    sketch_groups,
+    sketch_statistics_frequency,
+)
 from ...model_rules import (
     check_override,
     check_patterns,
@@ -61,11 +67,15 @@ OPTIMIZER_NAMES = {OPTIMIZER_NAME: None, MUON_NAME: "muon"}
 # - refresh_schedule="staggered": each block refreshes on its own step of the 50-step window,
 #   so no step waits for every eigendecomposition at once (optim_args "refresh_schedule=all"
 #   gives Meta's schedule).
+# - refresh_delay=1: each refresh is computed beside the next step (a worker thread; on
+#   CUDA a side stream) and used one step later, off the step's critical path; 0 where a
+#   delay is refused (4-bit state, apply_precision="tf32": adamw_style_refresh_delay).
 FINE_TUNING_DEFAULTS: dict[str, Any] = {
     "precondition_frequency": 50,
     "start_preconditioning_step": None,
     "max_preconditioner_dim": 512,
     "refresh_schedule": ADAMW_STYLE["refresh_schedule"],
+    "refresh_delay": ADAMW_STYLE["refresh_delay"],
 }
 SHAMPOO_EPSILON = 1e-12
 # Presets whose kinds keep no statistics (spectral descent and Adam): the defaults above and
@@ -309,6 +319,8 @@ def resolve_kwargs(args: Any, *chosen: Mapping[str, Any], preset: str | None = N
             kwargs["grafting"] = None
         if "epsilon" not in user:
             kwargs["epsilon"] = args.adam_epsilon
+    if "refresh_delay" in kwargs and "refresh_delay" not in user:
+        kwargs["refresh_delay"] = adamw_style_refresh_delay(kwargs)
     group = {**DEFAULTS, **kwargs}
     if isinstance(group["betas"], list):
         group["betas"] = kwargs["betas"] = tuple(group["betas"])
@@ -383,6 +395,8 @@ def _build(
             decay_parameter_names=decay_parameter_names,
             defaults=groups_defaults,
         )
+        if "refresh_delay" not in user:  # the default delay, not where a group refuses it
+            groups = kwargs["params"] = delayed_groups(groups, groups_defaults)
         if parsed.memory == "sketch":
             groups = kwargs["params"] = sketch_groups(groups, groups_defaults, every)
     elif parsed.memory == "sketch":  # the Trainer's two groups: the optimizer's keywords
