@@ -28,7 +28,7 @@ from .config import (
     refuse_unknown_keywords,
     validate_group,
 )
-from .delayed_refresh import Refresher
+from .delayed_refresh import Refresher, is_pending
 from .distributors import Distributor, make_distributor
 from .distributors.collectives import collective_device
 from .distributors.groups import group_over, ranks_of
@@ -745,10 +745,11 @@ class DistributedShampoo(torch.optim.Optimizer):
         if self._layout is None:
             return keys
         for stack in self._layout.owned:
-            group = stack.settings(self.param_groups)
-            resident = stack.resident_state(group)
-            only = [n for n in stack.expected_state(group) if n not in resident]
-            for block in stack.members if only else ():
+            only = [n for n in stack.expected_state(stack.settings(self.param_groups))
+                    if is_pending(n)]
+            if not only:
+                continue
+            for block in stack.members:
                 keys.setdefault(id(block.param), []).extend(
                     f"block_{block.block_index}.{n}" for n in only)
         return keys
