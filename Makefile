@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-other-blas test-fast reference-suites fuzz floors demo demo-digits lint clean
+.PHONY: venv test test-other-blas test-emulated-epyc test-fast reference-suites fuzz floors demo demo-digits lint clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,18 @@ reference-suites: venv
 # the four stack tests an AMD EPYC failed; on a torch without MKL it changes nothing.
 test-other-blas: venv
 	MKL_ENABLE_INSTRUCTIONS=SSE4_2 $(PY) -m pytest -q
+
+# The tests that compare bits across stacks, layouts and processes, run as on an AMD EPYC:
+# Python under qemu's user-mode emulator with an EPYC's CPUID, so that MKL and ATen take the
+# kernels they take on that CPU, in every process a test starts (benchmarks/emulated_cpu.py).
+# Needs Debian's qemu-user (apt-get install qemu-user); about 30 min on 2 cores.
+EPYC_PYTHON := .emulated-epyc/bin/python
+BIT_TESTS := tests/test_kronecker.py tests/test_sketchy.py tests/test_simulated_ranks.py \
+	tests/test_generated_layouts.py tests/test_generated_dp_layouts.py tests/test_compile.py
+test-emulated-epyc: venv
+	$(PY) -m benchmarks.emulated_cpu .emulated-epyc
+	$(EPYC_PYTHON) -m pytest -q $(BIT_TESTS)
+	$(EPYC_PYTHON) -m pytest -q tests/test_benchmarks.py -k "batch_invariance or other_kernels"
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"

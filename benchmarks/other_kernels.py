@@ -11,8 +11,10 @@ its size moved it (a rank-deficient root amplifies one ulp).
 Each row runs the case in a fresh process on one set of kernels: the default ones, MKL's
 AVX2 and SSE4.2 code paths (``MKL_ENABLE_INSTRUCTIONS``; the SSE4.2 one is what ``make
 test-other-blas`` uses), which may batch differently from the default ones as another CPU's
-library does. ``--tree`` runs another checkout (an older
-commit, to see the proxy find what an AMD EPYC found):
+library does, and, where Debian's ``qemu-user`` is installed, an AMD EPYC's own: the same
+Python under ``qemu-x86_64 -cpu EPYC-Milan`` (``benchmarks/emulated_cpu.py``), on which MKL
+and ATen choose the kernels they choose on that CPU. ``--tree`` runs another checkout (an
+older commit, to see the proxies find what an AMD EPYC found):
 
     python -m benchmarks.other_kernels
     git worktree add /tmp/before c43882a^ && python -m benchmarks.other_kernels --tree /tmp/before
@@ -26,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import emulated_cpu
 from benchmarks.common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +38,9 @@ KERNELS = {
     "MKL AVX2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "MKL SSE4.2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
+
+#: the row run as on an AMD EPYC (``emulated_cpu``), where qemu-x86_64 is installed
+EMULATED = f"AMD {emulated_cpu.MODEL} (qemu)"
 
 SIZES = (5, 16, 17, 31, 130)
 
@@ -60,12 +66,24 @@ for n in map(int, sys.argv[1:]):
 """
 
 
-def moved(tree: Path, env: dict[str, str], sizes) -> list[float]:
-    """``max |b with a - b alone|`` for each size, in a fresh process on ``env``'s kernels."""
+def run_case(tree: Path, env: dict[str, str], sizes, python=None) -> tuple[list[float], str]:
+    """``max |b with a - b alone|`` for each size, in a fresh process on ``env``'s kernels
+    (``python``: the command that runs Python, ``emulated_cpu.python_command()`` for an AMD
+    EPYC's; this interpreter by default), and the code path MKL chose (where ``env`` sets
+    ``MKL_VERBOSE=1``; else "")."""
     full = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", **env}
-    out = subprocess.run([sys.executable, "-c", CASE, *map(str, sizes)], env=full, cwd=tree,
-                         capture_output=True, text=True, check=True).stdout
-    return [float(line) for line in out.split()]
+    out = subprocess.run([*(python or [sys.executable]), "-c", CASE, *map(str, sizes)],
+                         env=full, cwd=tree, capture_output=True, text=True,
+                         check=True).stdout
+    lines = out.splitlines()
+    banner = next((emulated_cpu.mkl_path(line) for line in lines
+                   if emulated_cpu.mkl_path(line)), "")
+    return [float(line) for line in lines if not line.startswith("MKL_VERBOSE")], banner
+
+
+def moved(tree: Path, env: dict[str, str], sizes, python=None) -> list[float]:
+    """``run_case``'s values."""
+    return run_case(tree, env, sizes, python)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,8 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     print("max |b beside a - b alone| after 5 steps, by vector size")
     print("| kernels | " + " | ".join(f"n = {n}" for n in args.sizes) + " |")
     print("|---|" + "---|" * len(args.sizes))
-    for name, env in KERNELS.items():
-        values = moved(args.tree.resolve(), env, args.sizes)
+    rows = [(name, env, None) for name, env in KERNELS.items()]
+    if emulated_cpu.qemu():
+        rows.append((EMULATED, {}, emulated_cpu.python_command()))
+    else:
+        print(f"(no {EMULATED} row: qemu-x86_64 is not installed: {emulated_cpu.INSTALL})")
+    for name, env, python in rows:
+        values = moved(args.tree.resolve(), env, args.sizes, python)
         print(f"| {name} | " + " | ".join(f"{v:.1e}" if v else "0" for v in values) + " |")
 
 

@@ -179,3 +179,19 @@ def test_the_map_leaves_the_shims_to_its_note():
     shims = {_relative(path) for path in deprecated_shims().values()}
     assert not shims & set(module_map())
     assert noted_shims() == shims
+
+
+# ---------------------------------------------------------------- benchmarks/
+
+
+def test_benchmarks_readme_lists_every_script_and_shared_module():
+    """benchmarks/README.md's tables name every ``benchmarks/*.py`` (but ``__init__.py``),
+    and every script and module there opens with what it measures or holds."""
+    folder = PACKAGE.parent / "benchmarks"
+    listed = set(re.findall(r"^\| `(\w+\.py)` \|", (folder / "README.md").read_text(), re.M))
+    present = {path.name for path in folder.glob("*.py")} - {"__init__.py"}
+    assert present - listed == set(), "not in benchmarks/README.md"
+    assert listed - present == set(), "listed in benchmarks/README.md, not in benchmarks/"
+    for name in present:
+        docstring = ast.get_docstring(ast.parse((folder / name).read_text()))
+        assert docstring and len(docstring.split()) >= 5, name
