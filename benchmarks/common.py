@@ -190,16 +190,21 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
+def cpuinfo(field: str) -> str:
+    """The first ``field`` of ``/proc/cpuinfo`` ("" where there is none, or no such file)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def hardware() -> str:

@@ -32,6 +32,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from benchmarks.common import cpuinfo
+
 #: qemu's model of an AMD EPYC 7003 (Milan, Zen 3)
 MODEL = "EPYC-Milan-v1"
 
@@ -49,14 +51,7 @@ def active() -> str | None:
 def host_vendor() -> str:
     """The vendor of the machine's CPU (``GenuineIntel``, ``AuthenticAMD``; "" if unknown):
     ``/proc/cpuinfo``, which qemu's user mode leaves the host's."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo("vendor_id")
 
 
 def qemu() -> str | None:
@@ -87,19 +82,30 @@ def launcher(model: str = MODEL) -> list[str]:
             "-E", "TORCHINDUCTOR_CPP_MARCH=x86-64-v3"]
 
 
+def _binary() -> Path:
+    """This interpreter's own binary (qemu runs binaries only: not a virtual environment's
+    link, nor the script ``write_python`` writes)."""
+    return Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+
+
 def python_command(model: str = MODEL) -> list[str]:
     """The command that runs this interpreter, with this environment's packages, as on
-    ``model`` (qemu runs binaries only: the interpreter's own, named as ``sys.executable``
-    so that its environment is found; also from inside an emulated one)."""
-    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
-    return [*launcher(model), "-0", sys.executable, str(base)]
+    ``model``: its binary, named as ``sys.executable`` so that its environment is found
+    (also from inside an emulated one)."""
+    return [*launcher(model), "-0", sys.executable, str(_binary())]
+
+
+def _link(link: Path, target) -> None:
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target)
 
 
 def write_python(directory: Path, model: str = MODEL) -> Path:
     """Write ``directory/bin/python``: this interpreter, with this environment's packages,
     run as on ``model``. Returns its path."""
     directory = Path(directory).resolve()
-    base = Path(python_command(model)[-1])
+    base = _binary()
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     in_venv = sys.prefix != sys.base_prefix
     (directory / "bin").mkdir(parents=True, exist_ok=True)
@@ -110,9 +116,7 @@ def write_python(directory: Path, model: str = MODEL) -> Path:
     if in_venv:  # this environment's packages, the editable hf_shampoo included
         packages = directory / "lib" / version / "site-packages"
         packages.parent.mkdir(parents=True, exist_ok=True)
-        if packages.is_symlink() or packages.exists():
-            packages.unlink()
-        packages.symlink_to(sysconfig.get_paths()["purelib"])
+        _link(packages, sysconfig.get_paths()["purelib"])
     python = directory / "bin" / "python"
     command = " ".join([*launcher(model), "-0", str(python), str(base)])
     python.write_text("#!/bin/sh\n"
@@ -120,10 +124,7 @@ def write_python(directory: Path, model: str = MODEL) -> Path:
                       f'exec {command} "$@"\n')
     python.chmod(0o755)
     for alias in ("python3", version):
-        link = directory / "bin" / alias
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to("python")
+        _link(directory / "bin" / alias, "python")
     return python
 
 
@@ -135,20 +136,21 @@ print("ATen kernels:", torch.backends.cpu.get_cpu_capability())
 """
 
 
-def mkl_path(line: str) -> str:
-    """The code path MKL names in its ``MKL_VERBOSE`` banner line, else ""."""
-    if not line.startswith("MKL_VERBOSE") or " for " not in line or ", Lnx" not in line:
-        return ""
-    return line.split(" for ", 1)[1].split(", Lnx")[0].removeprefix(
-        "Intel(R) 64 architecture ")
+def mkl_path(output: str) -> str:
+    """The code path MKL names in the first ``MKL_VERBOSE`` banner of a process's output,
+    else ""."""
+    for line in output.splitlines():
+        if line.startswith("MKL_VERBOSE") and " for " in line and ", Lnx" in line:
+            return line.split(" for ", 1)[1].split(", Lnx")[0].removeprefix(
+                "Intel(R) 64 architecture ")
+    return ""
 
 
 def what_the_libraries_see(command: list[str]) -> list[str]:
     """MKL's code path and ATen's kernel set, under ``command``."""
     out = subprocess.run([*command, "-c", SEEN], capture_output=True, text=True, check=True,
                          env={**os.environ, "MKL_VERBOSE": "1"}).stdout
-    paths = [mkl_path(line) for line in out.splitlines() if mkl_path(line)]
-    return [f"MKL: {paths[0] if paths else 'not used'}",
+    return [f"MKL: {mkl_path(out) or 'not used'}",
             *(line for line in out.splitlines() if line.startswith("ATen kernels:"))]
 
 

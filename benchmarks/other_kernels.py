@@ -75,10 +75,8 @@ def run_case(tree: Path, env: dict[str, str], sizes, python=None) -> tuple[list[
     out = subprocess.run([*(python or [sys.executable]), "-c", CASE, *map(str, sizes)],
                          env=full, cwd=tree, capture_output=True, text=True,
                          check=True).stdout
-    lines = out.splitlines()
-    banner = next((emulated_cpu.mkl_path(line) for line in lines
-                   if emulated_cpu.mkl_path(line)), "")
-    return [float(line) for line in lines if not line.startswith("MKL_VERBOSE")], banner
+    values = [float(line) for line in out.splitlines() if not line.startswith("MKL_VERBOSE")]
+    return values, emulated_cpu.mkl_path(out)
 
 
 def moved(tree: Path, env: dict[str, str], sizes, python=None) -> list[float]:
