@@ -26,6 +26,7 @@ import functools
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -88,11 +89,11 @@ def _binary() -> Path:
     return Path(getattr(sys, "_base_executable", sys.executable)).resolve()
 
 
-def python_command(model: str = MODEL) -> list[str]:
-    """The command that runs this interpreter, with this environment's packages, as on
-    ``model``: its binary, named as ``sys.executable`` so that its environment is found
-    (also from inside an emulated one)."""
-    return [*launcher(model), "-0", sys.executable, str(_binary())]
+def python_command(model: str = MODEL, name: str | None = None) -> list[str]:
+    """The command that runs this interpreter as on ``model``: its binary, named as ``name``
+    (``sys.executable`` by default) so that the environment there is found (also from
+    inside an emulated one)."""
+    return [*launcher(model), "-0", name or sys.executable, str(_binary())]
 
 
 def _link(link: Path, target) -> None:
@@ -118,7 +119,7 @@ def write_python(directory: Path, model: str = MODEL) -> Path:
         packages.parent.mkdir(parents=True, exist_ok=True)
         _link(packages, sysconfig.get_paths()["purelib"])
     python = directory / "bin" / "python"
-    command = " ".join([*launcher(model), "-0", str(python), str(base)])
+    command = shlex.join(python_command(model, str(python)))
     python.write_text("#!/bin/sh\n"
                       f"# {base} as on an AMD {model} (benchmarks/emulated_cpu.py)\n"
                       f'exec {command} "$@"\n')
